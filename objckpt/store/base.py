@@ -1,0 +1,575 @@
+"""The store contract: the one interface every backend (memory, file, S3, GCS) implements.
+
+Shaped after arrow-rs ``object_store``: a handful of primitives that a backend implements
+(underscore methods), and the public methods derived from them here, once, for every backend:
+
+* every primitive call goes through the store's :class:`RetryPolicy` (only ``TransientError`` is
+  retried, so a wrapper that injects faults into the primitives is retried like a real server);
+* ``list`` paginates with ``start_after`` so a listing interrupted by a transient error resumes;
+* ``put_stream`` re-chunks any byte source into parts and uploads at most ``max_in_flight`` parts
+  at a time, each with its CRC32C, so peak memory is ``part_size x (max_in_flight + 1)`` whatever
+  the object's size; on any failure the upload is aborted and nothing becomes visible;
+* ``get_stream`` resumes a broken download from its offset and verifies size and CRC32C.
+
+Keys are ``/``-separated and relative to the store's root (the run root). Writes take a
+:class:`PutMode`: overwrite, create-if-absent, or update-if-version-matches. A mode a backend
+cannot honour raises :class:`NotSupportedError`; it never degrades to check-then-write.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import IO, Any, ClassVar, Literal, Union
+
+from .._crc import Buffer, Crc32c, crc32c_b64, encode_crc32c
+from .._retry import RetryPolicy
+from ..errors import ChecksumMismatchError, ConfigError, NotSupportedError, TransientError
+
+BytesSource = Union[Buffer, Iterable[Buffer], IO[bytes]]
+"""What ``put_stream`` accepts: one buffer, an iterable of buffers, or a binary file object."""
+
+MiB = 1024 * 1024
+DEFAULT_PART_SIZE = 16 * MiB
+DEFAULT_MAX_IN_FLIGHT = 8
+DEFAULT_READ_CHUNK = 4 * MiB
+MAX_DELETE_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class PutMode:
+    """How a write treats an existing object.
+
+    * ``PutMode.OVERWRITE``: replace whatever is there.
+    * ``PutMode.CREATE``: write only if the key is absent, else :class:`AlreadyExistsError`.
+    * ``PutMode.update(version)``: write only if the current version equals ``version`` (the
+      token returned by the previous write or head), else :class:`PreconditionFailedError`.
+    """
+
+    kind: Literal["overwrite", "create", "update"]
+    version: str | None = None
+
+    OVERWRITE: ClassVar[PutMode]
+    CREATE: ClassVar[PutMode]
+
+    @classmethod
+    def update(cls, version: str) -> PutMode:
+        if not version:
+            raise ValueError("PutMode.update needs the version token of the object to replace")
+        return cls("update", version)
+
+    def __repr__(self) -> str:
+        return f"PutMode.update({self.version!r})" if self.kind == "update" else f"PutMode.{self.kind.upper()}"
+
+
+PutMode.OVERWRITE = PutMode("overwrite")
+PutMode.CREATE = PutMode("create")
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """What a store knows about one object.
+
+    Attributes:
+        key: relative to the store root.
+        size: bytes.
+        version: the token for ``PutMode.update`` and for receipts: the ETag on S3, the
+            generation on GCS, a per-write unique token on file:// and memory://.
+        crc32c: base64 full-object CRC32C when the backend knows it cheaply, else ``None``.
+        last_modified: when the object was written (timezone-aware), if known.
+    """
+
+    key: str
+    size: int
+    version: str
+    crc32c: str | None = None
+    last_modified: datetime | None = None
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """A started, never completed multipart/resumable/staged upload (for GC)."""
+
+    key: str
+    upload_id: str
+    initiated: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees. Protocol code refuses to run on a store lacking what it needs.
+
+    Attributes:
+        create_if_absent: ``PutMode.CREATE`` is enforced by the server.
+        compare_and_swap: ``PutMode.update`` is enforced by the server.
+        atomic_conditionals: the two above hold under concurrent racing writers (moto: no).
+        server_verified_checksums: the server rejects a part whose CRC32C does not match.
+    """
+
+    create_if_absent: bool = True
+    compare_and_swap: bool = True
+    atomic_conditionals: bool = True
+    server_verified_checksums: bool = True
+
+
+@dataclass
+class UploadHandle:
+    """Backend-private state of one in-progress streamed upload."""
+
+    key: str
+    mode: PutMode
+    upload_id: str = ""
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PartResult:
+    """What the backend returns for one uploaded part (consumed by ``_complete_upload``)."""
+
+    part_number: int  # 1-based, as S3 numbers them
+    offset: int
+    size: int
+    crc32c: str
+    token: Any = None  # e.g. the S3 part ETag or the GCS temporary object name
+
+
+class Store(ABC):
+    """One object store location (bucket + prefix, or directory). Thread-safe.
+
+    Subclasses implement the underscore primitives; callers use the public methods.
+    """
+
+    #: scheme, e.g. ``s3``; set by subclasses
+    scheme: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        location: str,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        retry: RetryPolicy | None = None,
+        capabilities: Capabilities | None = None,
+    ) -> None:
+        if part_size < 1:
+            raise ConfigError(f"part_size must be positive, got {part_size}")
+        if max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.location = location
+        self.part_size = part_size
+        self.max_in_flight = max_in_flight
+        self.retry = retry or RetryPolicy()
+        self.capabilities = capabilities or Capabilities()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._retry_listeners: list[Callable[[BaseException, int], None]] = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.location!r})"
+
+    # ------------------------------------------------------------------ primitives (backends)
+
+    @abstractmethod
+    def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
+        """Write one whole object atomically under ``mode``; the server verifies ``crc32c``."""
+
+    @abstractmethod
+    def _get(self, key: str, start: int, end: int | None) -> bytes:
+        """Bytes ``[start, end)`` of the object (``end=None``: to the end)."""
+
+    @abstractmethod
+    def _open(self, key: str, start: int) -> Iterator[bytes]:
+        """Stream the object from ``start``; may raise ``TransientError`` mid-iteration."""
+
+    @abstractmethod
+    def _head(self, key: str) -> ObjectMeta: ...
+
+    @abstractmethod
+    def _list_page(
+        self, prefix: str, start_after: str | None, limit: int
+    ) -> tuple[list[ObjectMeta], bool]:
+        """Up to ``limit`` objects under ``prefix`` with key > ``start_after``, sorted by key,
+        and whether more may follow."""
+
+    @abstractmethod
+    def _list_prefixes(self, prefix: str) -> list[str]:
+        """The distinct 'directories' (ending in ``/``) directly below ``prefix``."""
+
+    @abstractmethod
+    def _delete_batch(self, keys: list[str]) -> None:
+        """Delete up to ``MAX_DELETE_BATCH`` keys; absent keys are not an error."""
+
+    @abstractmethod
+    def _create_upload(self, key: str, mode: PutMode) -> UploadHandle: ...
+
+    @abstractmethod
+    def _upload_part(
+        self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
+    ) -> PartResult: ...
+
+    @abstractmethod
+    def _complete_upload(
+        self, handle: UploadHandle, parts: list[PartResult], size: int, crc32c: str
+    ) -> ObjectMeta:
+        """Make the object visible, atomically, honouring ``handle.mode``."""
+
+    @abstractmethod
+    def _abort_upload(self, handle: UploadHandle) -> None:
+        """Discard an upload's parts; idempotent. Nothing becomes visible."""
+
+    @abstractmethod
+    def _list_uploads(self, prefix: str) -> list[PendingUpload]: ...
+
+    @abstractmethod
+    def _abort_pending(self, upload: PendingUpload) -> None: ...
+
+    def _close(self) -> None:
+        """Release SDK clients; override when there are any."""
+
+    # ------------------------------------------------------------------ public API
+
+    def add_retry_listener(self, listener: Callable[[BaseException, int], None]) -> None:
+        """Call ``listener(error, attempt)`` before each retry (metrics, tests)."""
+        self._retry_listeners.append(listener)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.retry.call(fn, *args, on_retry=self._notify_retry)
+
+    def _notify_retry(self, exc: BaseException, attempt: int) -> None:
+        for listener in self._retry_listeners:
+            listener(exc, attempt)
+
+    def put(self, key: str, data: Buffer, *, mode: PutMode = PutMode.OVERWRITE) -> ObjectMeta:
+        """Write ``data`` as one object, atomically: readers see the old object or the new one.
+
+        Raises:
+            AlreadyExistsError: ``mode`` is CREATE and the key exists (nothing written).
+            PreconditionFailedError: ``mode`` is an update and the version moved.
+            NotSupportedError: the backend cannot enforce ``mode``.
+        """
+        view = memoryview(data).cast("B")
+        self._check_mode(mode, key)
+        return self._call(self._put, key, view, mode, crc32c_b64(view))
+
+    def put_stream(
+        self,
+        key: str,
+        source: BytesSource,
+        *,
+        mode: PutMode = PutMode.CREATE,
+        part_size: int | None = None,
+        max_in_flight: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> ObjectMeta:
+        """Stream ``source`` into one object with bounded memory; default mode is create-if-absent.
+
+        Sources no larger than one part are written with a single ``put``. Larger ones go through
+        the backend's multipart upload with at most ``max_in_flight`` parts buffered or in flight;
+        each part carries its CRC32C. The returned meta's ``crc32c`` is the full-object CRC32C
+        computed while streaming. ``progress(n)`` is called with each part's byte count once
+        that part is uploaded.
+
+        Atomicity: the object appears only at completion, whole. On any failure (including
+        KeyboardInterrupt) the upload is aborted and the error re-raised.
+        """
+        self._check_mode(mode, key)
+        part_size = part_size or self.part_size
+        max_in_flight = max_in_flight or self.max_in_flight
+        parts = iter_parts(source, part_size)
+        first = next(parts, None)
+        if first is None:
+            first = memoryview(b"")
+        second = next(parts, None)
+        if second is None:  # fits in one request: no multipart overhead
+            meta = self.put(key, first, mode=mode)
+            if progress:
+                progress(first.nbytes)
+            return meta
+        return self._multipart(key, _chain(first, second, parts), mode, max_in_flight, progress)
+
+    def _multipart(
+        self,
+        key: str,
+        parts: Iterator[memoryview],
+        mode: PutMode,
+        max_in_flight: int,
+        progress: Callable[[int], None] | None,
+    ) -> ObjectMeta:
+        handle: UploadHandle = self._call(self._create_upload, key, mode)
+        whole = Crc32c()
+        results: list[PartResult] = []
+        in_flight: set[Future[PartResult]] = set()
+        pool = self._executor()
+        try:
+            for number, part in enumerate(parts, start=1):
+                # Bound memory: wait for a slot before taking the next part off the source.
+                while len(in_flight) >= max_in_flight:
+                    done, in_flight = _wait_first(in_flight)
+                    results.extend(_collect(done, progress))
+                offset = whole.size
+                whole.update(part)
+                in_flight.add(
+                    pool.submit(
+                        self._call, self._upload_part, handle, number, offset, part,
+                        crc32c_b64(part),
+                    )
+                )
+            while in_flight:
+                done, in_flight = _wait_first(in_flight)
+                results.extend(_collect(done, progress))
+            results.sort(key=lambda r: r.part_number)
+            return self._call(self._complete_upload, handle, results, whole.size, whole.b64)
+        except BaseException:
+            for fut in in_flight:
+                fut.cancel()
+            wait(in_flight)
+            try:
+                self._call(self._abort_upload, handle)
+            except Exception:  # the original error matters more; GC sweeps leftovers
+                pass
+            raise
+
+    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
+        """Whole object, or bytes ``[start, end)`` of it.
+
+        Raises:
+            NotFoundError: no such key.
+        """
+        if byte_range is None:
+            return self._call(self._get, key, 0, None)
+        start, end = byte_range
+        if start < 0 or end < start:
+            raise ValueError(f"bad byte range {byte_range} for key {key!r}")
+        if end == start:
+            return b""
+        return self._call(self._get, key, start, end)
+
+    def get_stream(
+        self,
+        key: str,
+        *,
+        expected_size: int | None = None,
+        expected_crc32c: str | None = None,
+    ) -> Iterator[bytes]:
+        """Stream an object, resuming after transient errors, verifying it at the end.
+
+        The final ``next()`` raises :class:`ChecksumMismatchError` if the size or CRC32C differ
+        from what was expected; consumers must not use the bytes before the stream is exhausted.
+        """
+        crc = Crc32c()
+        retries = 0
+        while True:
+            try:
+                for chunk in self._open(key, crc.size):
+                    crc.update(chunk)
+                    if expected_size is not None and crc.size > expected_size:
+                        raise ChecksumMismatchError(
+                            f"object is larger than its receipt's {expected_size} bytes",
+                            key=key, location=self.location,
+                        )
+                    yield chunk
+                break
+            except TransientError as exc:
+                retries += 1
+                if retries >= self.retry.max_attempts:
+                    raise
+                self._notify_retry(exc, retries)
+        if expected_size is not None and crc.size != expected_size:
+            raise ChecksumMismatchError(
+                f"size mismatch: read {crc.size} bytes, receipt says {expected_size}",
+                key=key, location=self.location,
+            )
+        if expected_crc32c is not None and crc.b64 != expected_crc32c:
+            raise ChecksumMismatchError(
+                f"CRC32C mismatch: read {crc.b64}, receipt says {expected_crc32c}",
+                key=key, location=self.location,
+            )
+
+    def get_verified(
+        self, key: str, *, expected_size: int | None = None, expected_crc32c: str | None = None
+    ) -> bytes:
+        """The whole object, only if its size and CRC32C match (``ChecksumMismatchError``)."""
+        return b"".join(
+            self.get_stream(key, expected_size=expected_size, expected_crc32c=expected_crc32c)
+        )
+
+    def head(self, key: str) -> ObjectMeta:
+        """Size, version and (when known) CRC32C. Raises :class:`NotFoundError`."""
+        return self._call(self._head, key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        """Objects under ``prefix`` (plain string prefix), ascending by key, after ``start_after``.
+
+        Paginated (1,000 a request); each page is retried on its own.
+        """
+        cursor = start_after
+        while True:
+            page, more = self._call(self._list_page, prefix, cursor, 1000)
+            yield from page
+            if not more or not page:
+                return
+            cursor = page[-1].key
+
+    def list_prefixes(self, prefix: str = "") -> list[str]:
+        """Sub-'directories' (each ending in ``/``) directly under ``prefix``, sorted."""
+        return sorted(self._call(self._list_prefixes, prefix))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete keys in batches of up to 1,000; absent keys are ignored. Not atomic as a whole:
+        callers order deletions so that a crash part-way leaves nothing dangling."""
+        batch: list[str] = []
+        for key in keys:
+            batch.append(key)
+            if len(batch) == MAX_DELETE_BATCH:
+                self._call(self._delete_batch, batch)
+                batch = []
+        if batch:
+            self._call(self._delete_batch, batch)
+
+    def list_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        """Started but never completed streamed uploads under ``prefix`` (for GC)."""
+        return self._call(self._list_uploads, prefix)
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        """Abort one pending upload found by :meth:`list_uploads`; idempotent."""
+        self._call(self._abort_pending, upload)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+        self._close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                # Shared by concurrent put_stream calls; each bounds its own parts in flight.
+                self._pool = ThreadPoolExecutor(
+                    max_workers=max(self.max_in_flight, 4), thread_name_prefix="objckpt-part"
+                )
+            return self._pool
+
+    def _check_mode(self, mode: PutMode, key: str) -> None:
+        caps = self.capabilities
+        if mode.kind == "create" and not caps.create_if_absent:
+            raise NotSupportedError(
+                "this store cannot enforce create-if-absent", key=key, location=self.location
+            )
+        if mode.kind == "update" and not caps.compare_and_swap:
+            raise NotSupportedError(
+                "this store cannot enforce compare-and-swap", key=key, location=self.location
+            )
+
+
+def iter_parts(source: BytesSource, part_size: int) -> Iterator[memoryview]:
+    """Re-chunk ``source`` into ``part_size`` views (the last may be shorter).
+
+    Zero-copy where a part lies inside one source buffer (e.g. a tensor's memory); a part that
+    spans buffers is assembled in a fresh bytearray, so at most one part is held here.
+    """
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        view = memoryview(source).cast("B")
+        for start in range(0, view.nbytes, part_size):
+            yield view[start : start + part_size]
+        return
+    if hasattr(source, "readinto") or hasattr(source, "read"):
+        yield from _iter_file_parts(source, part_size)  # type: ignore[arg-type]
+        return
+    pending: bytearray | None = None
+    for chunk in source:  # type: ignore[union-attr]
+        view = memoryview(chunk).cast("B")
+        pos = 0
+        if pending is not None:
+            take = min(part_size - len(pending), view.nbytes)
+            pending += view[:take]
+            pos = take
+            if len(pending) < part_size:
+                continue
+            yield memoryview(pending)
+            pending = None
+        while view.nbytes - pos >= part_size:
+            yield view[pos : pos + part_size]
+            pos += part_size
+        if pos < view.nbytes:
+            pending = bytearray(view[pos:])
+    if pending:
+        yield memoryview(pending)
+
+
+def _iter_file_parts(fileobj: IO[bytes], part_size: int) -> Iterator[memoryview]:
+    while True:
+        buf = bytearray(part_size)
+        filled = 0
+        while filled < part_size:
+            if hasattr(fileobj, "readinto"):
+                n = fileobj.readinto(memoryview(buf)[filled:])  # type: ignore[attr-defined]
+            else:
+                data = fileobj.read(part_size - filled)
+                n = len(data)
+                buf[filled : filled + n] = data
+            if not n:
+                break
+            filled += n
+        if filled:
+            yield memoryview(buf)[:filled]
+        if filled < part_size:
+            return
+
+
+def _chain(first: memoryview, second: memoryview, rest: Iterator[memoryview]) -> Iterator[memoryview]:
+    yield first
+    yield second
+    yield from rest
+
+
+def _wait_first(
+    futures: set[Future[PartResult]],
+) -> tuple[set[Future[PartResult]], set[Future[PartResult]]]:
+    done, pending = wait(futures, return_when=FIRST_COMPLETED)
+    return set(done), set(pending)
+
+
+def _collect(
+    done: set[Future[PartResult]], progress: Callable[[int], None] | None
+) -> list[PartResult]:
+    out = []
+    for fut in done:
+        result = fut.result()  # re-raises the part's error
+        if progress:
+            progress(result.size)
+        out.append(result)
+    return out
+
+
+def join_key(*parts: str) -> str:
+    """Join key segments with single slashes."""
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+__all__ = [
+    "BytesSource",
+    "Capabilities",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_PART_SIZE",
+    "ObjectMeta",
+    "PartResult",
+    "PendingUpload",
+    "PutMode",
+    "Store",
+    "UploadHandle",
+    "encode_crc32c",
+    "iter_parts",
+]
