@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from objckpt.store import Store
+from tests.backends import BACKEND_NAMES, Backend
+
+pytest_plugins = [
+    "tests.backends.memory",
+    "tests.backends.local",
+    "tests.backends.s3",
+    "tests.backends.gcs",
+]
+
+
+@pytest.fixture(params=BACKEND_NAMES)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Every backend in turn (those without a reachable server are skipped with the reason)."""
+    return request.getfixturevalue(f"backend_{request.param}")
+
+
+@pytest.fixture
+def store(backend: Backend) -> Store:
+    """A fresh, empty store on every backend in turn."""
+    s = backend.new_store()
+    yield s
+    s.close()
+
+
+def expect_gap(request: pytest.FixtureRequest, backend: Backend, gap: str) -> None:
+    """Mark the running test xfail(strict) when ``backend`` is known to lack ``gap``."""
+    reason = backend.gaps.get(gap)
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"{backend.name}: {reason}"))
