@@ -1,0 +1,320 @@
+"""The coordinator's commit (invariants 5, 6, 8, 9).
+
+A save is committed when, and only when, its manifest exists. The coordinator (rank 0) writes it
+only after it holds every rank's receipts for the attempt and has checked them against the store
+itself; it writes it create-if-absent, so two attempts can never both commit one step; then it
+advances ``LATEST`` forward-only by compare-and-swap. It never deletes anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from . import layout
+from .errors import (
+    AlreadyExistsError,
+    CommitConflict,
+    CommitError,
+    ManifestError,
+    NotFoundError,
+    NotSupportedError,
+    PreconditionFailedError,
+    StoreError,
+)
+from .manifest import Manifest, Pointer, ShardReceipt
+from .reader import Reader
+from .store.base import PutMode, Store
+
+__all__ = ["Coordinator", "RankReport"]
+
+log = logging.getLogger("objckpt.commit")
+
+RankReport = Union[Sequence[ShardReceipt], BaseException, str]
+"""What each rank contributes to a commit: its receipts, or the error (or its text) it hit."""
+
+#: rank used in ``CommitError.failures`` for a stray key that lies under no rank's prefix
+NO_RANK = -1
+
+
+class Coordinator:
+    """Commits attempts for one run root.
+
+    Args:
+        store: must enforce create-if-absent and compare-and-swap.
+        world_size: how many ranks take part in every save.
+        pointer_retries: compare-and-swap rounds before giving up on moving ``LATEST``.
+
+    Raises:
+        NotSupportedError: the store lacks create-if-absent or compare-and-swap.
+    """
+
+    def __init__(self, store: Store, *, world_size: int, pointer_retries: int = 50) -> None:
+        caps = store.capabilities
+        missing = [n for n in ("create_if_absent", "compare_and_swap") if not getattr(caps, n)]
+        if missing:
+            raise NotSupportedError(
+                f"committing needs {' and '.join(missing)}, which this store does not enforce "
+                "(without them two attempts could both commit a step, or the pointer could move "
+                "backwards)",
+                location=store.location,
+            )
+        if not caps.atomic_conditionals:
+            log.warning(
+                "store %s does not make conditional writes atomic under races; concurrent "
+                "coordinators are not safe on it (fine for tests)", store.location,
+            )
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 100_000:
+            raise ValueError(f"world_size must be an int in [1, 100000], got {world_size!r}")
+        self.store = store
+        self.world_size = world_size
+        self.pointer_retries = pointer_retries
+        self.reader = Reader(store)
+
+    # ------------------------------------------------------------------ commit
+
+    def commit(
+        self,
+        step: int,
+        attempt: str,
+        receipts: Mapping[int, RankReport],
+        *,
+        progress: Mapping[str, Any] | None = None,
+        run: Mapping[str, Any] | None = None,
+        topology: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        """Commit ``attempt`` of ``step`` from every rank's receipts; return its manifest.
+
+        Steps: (1) every rank ``0..world_size-1`` reported receipts, each under its own rank's
+        prefix of this attempt; (2) one LIST of the attempt prefix (per 1,000 shards) shows every
+        expected key with the receipt's size and version, and no other key; (3) the parent is the
+        currently committed latest; (4) the manifest is written create-if-absent: the commit
+        point; (5) ``LATEST`` is advanced forward-only by compare-and-swap.
+
+        Atomicity: the checkpoint is committed iff the manifest exists; it appears whole in one
+        write. Nothing is ever deleted. Calling again for the same attempt after a lost response
+        returns the existing manifest (idempotent).
+
+        Raises:
+            CommitError: a rank failed or a check against the store failed; ``failures`` names
+                every failing rank (``-1`` for a stray key under no rank). No manifest is written.
+            CommitConflict: another attempt already committed this step.
+            ValueError: invalid step, attempt id, or manifest fields.
+        """
+        layout.check_step(step)
+        layout.check_attempt_id(attempt)
+        expected = self._check_reports(step, attempt, receipts)
+        self._check_store(step, attempt, expected)
+        parent = self._parent_of(step)
+        manifest = Manifest.create(
+            step=step,
+            attempt=attempt,
+            world_size=self.world_size,
+            shards=expected.values(),
+            topology={"world_size": self.world_size, **dict(topology or {})},
+            run=run,
+            progress=progress,
+            parent=parent,
+            metadata=metadata,
+        )
+        manifest = self._write_manifest(manifest)
+        self._advance_pointer(manifest)
+        return manifest
+
+    # -- 1. every rank, each under its own prefix
+
+    def _check_reports(
+        self,
+        step: int,
+        attempt: str,
+        receipts: Mapping[int, RankReport],
+    ) -> dict[str, ShardReceipt]:
+        failures: dict[int, str] = {}
+        expected: dict[str, ShardReceipt] = {}
+        for rank in receipts:
+            if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+                failures[rank if isinstance(rank, int) else NO_RANK] = (
+                    f"reported as rank {rank!r}, outside world of size {self.world_size}"
+                )
+        for rank in range(self.world_size):
+            if rank not in receipts:
+                failures[rank] = "sent no receipts (did not take part in the save)"
+                continue
+            report = receipts[rank]
+            if isinstance(report, BaseException):
+                failures[rank] = f"{type(report).__name__}: {report}"
+                continue
+            if isinstance(report, str):
+                failures[rank] = report or "failed (no reason given)"
+                continue
+            prefix = layout.rank_prefix(step, attempt, rank)
+            problems: list[str] = []
+            for r in report:
+                if not isinstance(r, ShardReceipt):
+                    problems.append(f"not a ShardReceipt: {type(r).__name__}")
+                elif r.rank != rank or not r.key.startswith(prefix):
+                    problems.append(f"receipt {r.key!r} (rank {r.rank}) is outside its prefix {prefix!r}")
+                elif r.key != layout.shard_key(step, attempt, rank, r.name):
+                    problems.append(f"receipt {r.key!r} does not match its name {r.name!r}")
+                elif r.key in expected:
+                    problems.append(f"receipt {r.key!r} reported twice")
+                else:
+                    expected[r.key] = r
+            if problems:
+                failures[rank] = "; ".join(problems)
+        if failures:
+            raise CommitError(
+                f"step {step} attempt {attempt} not committed: not every rank delivered valid receipts",
+                failures,
+            )
+        return expected
+
+    # -- 2. receipts against the store itself
+
+    def _check_store(self, step: int, attempt: str, expected: Mapping[str, ShardReceipt]) -> None:
+        prefix = layout.attempt_prefix(step, attempt)
+        failures: dict[int, list[str]] = {}
+
+        def fail(rank: int, why: str) -> None:
+            failures.setdefault(rank, []).append(why)
+
+        seen: set[str] = set()
+        # One LIST per 1,000 shards instead of a HEAD per shard.
+        for meta in self.store.list(prefix):
+            r = expected.get(meta.key)
+            if r is None:
+                # A zombie writer (e.g. a rank of an earlier incarnation still uploading) or a
+                # stray object: committing would publish an attempt whose prefix holds data no
+                # receipt vouches for.
+                fail(_rank_of(meta.key, prefix), f"unexpected object {meta.key!r} in the attempt prefix")
+                continue
+            seen.add(meta.key)
+            if meta.size != r.size:
+                fail(r.rank, f"{meta.key!r} is {meta.size} bytes in the store, receipt says {r.size}")
+            elif meta.version != r.version:
+                fail(r.rank, f"{meta.key!r} has version {meta.version} in the store, receipt says {r.version}")
+            elif meta.crc32c is not None and meta.crc32c != r.crc32c:
+                fail(r.rank, f"{meta.key!r} has CRC32C {meta.crc32c} in the store, receipt says {r.crc32c}")
+        for key, r in expected.items():
+            if key not in seen:
+                fail(r.rank, f"{key!r} is missing from the store")
+        if failures:
+            raise CommitError(
+                f"step {step} attempt {attempt} not committed: the store does not hold what the "
+                "ranks reported",
+                {rank: "; ".join(why) for rank, why in failures.items()},
+            )
+
+    # -- 3. parent
+
+    def _parent_of(self, step: int) -> int | None:
+        try:
+            parent = self.reader.latest_before(step)
+        except StoreError as exc:
+            raise CommitError(f"step {step} not committed: cannot resolve the previous checkpoint: {exc}") from exc
+        return parent.step if parent is not None else None
+
+    # -- 4. the commit point
+
+    def _write_manifest(self, manifest: Manifest) -> Manifest:
+        key = manifest.key
+        try:
+            # THE COMMIT POINT. Before this write succeeds the attempt does not exist for any
+            # reader (they resolve through manifests/ only); after it, the checkpoint is
+            # committed whole, whatever happens to the pointer. Create-if-absent makes it
+            # first-writer-wins: two attempts can never both commit this step.
+            self.store.put(key, manifest.encode(), mode=PutMode.CREATE)
+            log.info("committed step %d attempt %s (%d shards)", manifest.step, manifest.attempt, len(manifest.shards))
+            return manifest
+        except AlreadyExistsError:
+            existing = self._read_existing(manifest)
+        except StoreError as exc:
+            # The outcome is unknown (e.g. the response was lost and retries ran out): the
+            # manifest may exist. Read back before declaring failure.
+            try:
+                existing = self._read_existing(manifest)
+            except CommitError:
+                raise CommitError(
+                    f"step {manifest.step} attempt {manifest.attempt} not committed: writing "
+                    f"{key} failed: {exc}"
+                ) from exc
+        if existing.attempt == manifest.attempt:
+            # Our own earlier write (a lost response that the retry re-sent, or a re-run
+            # commit): the save is idempotent.
+            log.info("step %d attempt %s was already committed; reusing its manifest", manifest.step, manifest.attempt)
+            return existing
+        raise CommitConflict(
+            f"step {manifest.step} attempt {manifest.attempt} not committed: attempt "
+            f"{existing.attempt} already committed this step ({key})"
+        )
+
+    def _read_existing(self, manifest: Manifest) -> Manifest:
+        key = manifest.key
+        try:
+            return Manifest.decode(self.store.get(key), key=key)
+        except NotFoundError as exc:
+            raise CommitError(f"step {manifest.step}: {key} is not there after a failed write") from exc
+        except ManifestError as exc:
+            # Something else holds the step's manifest key and it is not ours.
+            raise CommitConflict(
+                f"step {manifest.step} attempt {manifest.attempt} not committed: {key} already "
+                f"exists and is not a valid manifest ({exc})"
+            ) from exc
+        except StoreError as exc:
+            raise CommitError(f"step {manifest.step}: cannot read back {key}: {exc}") from exc
+
+    # -- 5. pointer: forward only, compare-and-swap
+
+    def _advance_pointer(self, manifest: Manifest) -> None:
+        """Move ``LATEST`` to ``manifest`` unless it already names a step >= ours.
+
+        Never raises: once the manifest exists the save is committed, and readers roll forward
+        over a pointer that lags behind.
+        """
+        new = Pointer.for_manifest(manifest).encode()
+        key = layout.POINTER_KEY
+        try:
+            for _ in range(self.pointer_retries):
+                # HEAD before GET: if the pointer changes in between, the GET sees a newer value
+                # than the version we hold, and the CAS below fails and we re-read. The other
+                # order could decide on old data and then swap a newer pointer away.
+                try:
+                    current_version = self.store.head(key).version
+                except NotFoundError:
+                    current_version = None
+                current: Pointer | None = None
+                if current_version is not None:
+                    try:
+                        current = Pointer.decode(self.store.get(key), key=key)
+                    except NotFoundError:
+                        continue  # deleted between HEAD and GET: start over
+                    except ManifestError as exc:
+                        log.warning("replacing corrupt pointer %s: %s", key, exc)
+                if current is not None and current.step >= manifest.step:
+                    # Forward only: a newer (or this same) step is already published.
+                    return
+                mode = PutMode.CREATE if current_version is None else PutMode.update(current_version)
+                try:
+                    self.store.put(key, new, mode=mode)
+                    return
+                except (PreconditionFailedError, AlreadyExistsError):
+                    continue  # a concurrent coordinator moved it: re-read and decide again
+            log.warning(
+                "step %d is committed but %s was not advanced after %d compare-and-swap rounds; "
+                "readers roll forward to it", manifest.step, key, self.pointer_retries,
+            )
+        except StoreError as exc:
+            log.warning(
+                "step %d is committed but updating %s failed (%s); readers roll forward to it",
+                manifest.step, key, exc,
+            )
+
+
+def _rank_of(key: str, attempt_prefix: str) -> int:
+    rest = key[len(attempt_prefix):]
+    head = rest.split("/", 1)[0]
+    if len(head) == 5 and head.isdigit() and "/" in rest:
+        return int(head)
+    return NO_RANK

@@ -1,0 +1,710 @@
+"""``file:///abs/path``: a store on a local (POSIX) filesystem.
+
+Layout below the root::
+
+    <root>/<key>                         one regular file per object; parent dirs made as needed
+    <root>/.objckpt-staging/<name>       in-progress writes (never listed as objects)
+    <root>/.objckpt-locks/<00..ff>       256 lock files striping the key space (never listed)
+
+Atomicity (each write lands a *new inode*, fully written and fsync'd, before it gets its name):
+
+* ``CREATE``: ``os.link(staging, target)``; the kernel refuses an existing name (``EEXIST`` ->
+  :class:`AlreadyExistsError`), so two racing creators cannot both win. No lock is needed.
+* ``OVERWRITE``: ``os.replace(staging, target)``, under the key's stripe lock.
+* ``update(version)``: under the key's stripe lock, ``stat`` the target, compare its version,
+  ``os.replace``. Because overwrite and delete take the same lock, no writer can slip between the
+  compare and the replace. (Locks are ``fcntl.flock``, so they hold between threads and between
+  processes on this host, and on NFS where the server supports them.)
+
+Then the parent directory is fsync'd, so an acknowledged write survives a crash. A failed write
+unlinks its staging file: no partial object is ever visible.
+
+Version tokens are ``f"{inode:x}-{mtime_ns:x}-{size:x}"``. The mtime is *set* by the writer to a
+nanosecond clock value that is strictly increasing within a process, because the kernel's own
+timestamps are only jiffy-granular and inode numbers are reused on ext4: without it, a write could
+reproduce the token of an earlier, deleted file (ABA) and a stale compare-and-swap would succeed.
+This relies on the filesystem storing nanosecond timestamps (ext4, xfs, btrfs, tmpfs do).
+
+CRC32C: each object's base64 CRC32C is stored in the extended attribute ``user.objckpt.crc32c``
+when the filesystem supports user xattrs (one ``getxattr`` per head/list entry); otherwise
+``ObjectMeta.crc32c`` is ``None`` and readers verify while streaming as usual. The "server"
+verifies every ``put`` body and every streamed part against its CRC32C before writing it
+(:class:`ChecksumMismatchError`).
+
+Streamed uploads write a staging file with ``os.pwrite`` at each part's offset (parts arrive
+concurrently) and complete like a ``put``. The staging file's name records the upload's start
+time and key (base64url; a ``~key`` side file when the name would be too long), so
+:meth:`list_uploads` reports uploads left by a crashed process and GC can abort them.
+
+Keys are ``/``-separated relative paths; a key that is empty, absolute, has empty, ``.`` or ``..``
+segments, contains NUL, or starts with the reserved ``.objckpt-`` is rejected with
+:class:`InvalidKeyError` (a ``ValueError``), so no key can name a file outside the root. (Symbolic
+links *inside* the root are followed on reads and writes, not in listings: whoever can create
+them already has write access to the root.) A filesystem cannot hold both ``a`` and ``a/b``;
+writing one while the other exists raises :class:`NotSupportedError`.
+
+Errors: ``ENOENT`` -> :class:`NotFoundError`, ``EACCES``/``EPERM``/``EROFS`` ->
+:class:`PermissionDeniedError`, ``ENOSPC``/``EDQUOT`` -> :class:`StoreError` saying the disk is
+full (not transient: retrying will not free space), ``EAGAIN``/``EBUSY``/``ETIMEDOUT``/``ESTALE``
+-> :class:`TransientError`, anything else -> :class:`StoreError`; each names the key and root.
+
+POSIX only (``fcntl``, ``os.link``, ``os.pwrite``). On filesystems without hard links, ``CREATE``
+falls back to check-and-replace under the stripe lock (atomic among objckpt writers).
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import fcntl
+import os
+import stat
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from .._crc import crc32c_b64
+from ..errors import (
+    AlreadyExistsError,
+    ChecksumMismatchError,
+    ConfigError,
+    NotFoundError,
+    NotSupportedError,
+    PermissionDeniedError,
+    PreconditionFailedError,
+    StoreError,
+    TransientError,
+)
+from .base import (
+    DEFAULT_READ_CHUNK,
+    ObjectMeta,
+    PartResult,
+    PendingUpload,
+    PutMode,
+    Store,
+    UploadHandle,
+)
+
+if TYPE_CHECKING:
+    from . import ParsedURI
+
+STAGING_DIR = ".objckpt-staging"
+LOCKS_DIR = ".objckpt-locks"
+RESERVED_PREFIX = ".objckpt-"
+XATTR_CRC32C = "user.objckpt.crc32c"
+LOCK_STRIPES = 256
+
+_KIND_PUT = "put"
+_KIND_UPLOAD = "up"
+_KEY_SIDE_SUFFIX = "~key"  # '~' is not in the base64url alphabet, so it never ends a data name
+_MAX_NAME = 255
+
+_TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE, errno.EINTR}
+_PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_NO_LINK_ERRNOS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+_clock_lock = threading.Lock()
+_last_ns = 0
+
+
+def _unique_ns() -> int:
+    """Wall-clock nanoseconds, strictly increasing within this process (see module doc)."""
+    global _last_ns
+    with _clock_lock:
+        _last_ns = max(time.time_ns(), _last_ns + 1)
+        return _last_ns
+
+
+def _token(st: os.stat_result) -> str:
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+class InvalidKeyError(StoreError, ValueError):
+    """A key that cannot name an object below the root (absolute, ``..``, empty segment, ...)."""
+
+
+class LocalStore(Store):
+    """Objects as files below a root directory. Thread- and process-safe; see the module doc."""
+
+    scheme = "file"
+    OPTIONS: tuple[str, ...] = ()
+
+    def __init__(self, root: str | os.PathLike[str], **options: Any) -> None:
+        root = os.fspath(root)
+        if not os.path.isabs(root):
+            raise ConfigError(f"file:// store root must be an absolute path, got {root!r}")
+        if any(seg in (".", "..") for seg in root.split("/")):
+            raise ConfigError(f"'.' and '..' are not allowed in a run root: {root!r}")
+        self.root = os.path.normpath(root)
+        super().__init__(location=f"file://{self.root}", **options)
+        self._staging = os.path.join(self.root, STAGING_DIR)
+        self._locks = os.path.join(self.root, LOCKS_DIR)
+        self._xattrs = hasattr(os, "setxattr")  # cleared on the first ENOTSUP
+
+    @classmethod
+    def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> LocalStore:
+        from . import common_store_kwargs
+
+        # parse_uri does not check file:// paths for '..'; __init__ does.
+        return cls(parsed.prefix, **common_store_kwargs(dict(options)))
+
+    # ------------------------------------------------------------------ keys and errors
+
+    def _path(self, key: str, operation: str) -> str:
+        """The file for ``key``; raises :class:`InvalidKeyError` for keys that could escape."""
+        if not isinstance(key, str) or not key:
+            raise InvalidKeyError("empty key", key=str(key), location=self.location, operation=operation)
+        segments = key.split("/")
+        bad = (
+            "\x00" in key
+            or any(seg in ("", ".", "..") for seg in segments)
+            or segments[0].startswith(RESERVED_PREFIX)
+        )
+        if bad:
+            raise InvalidKeyError(
+                "invalid key for a file:// store (absolute, empty/'.'/'..' segment, NUL, or the "
+                f"reserved {RESERVED_PREFIX}* prefix)",
+                key=key, location=self.location, operation=operation,
+            )
+        return os.path.join(self.root, *segments)
+
+    def _error(self, exc: OSError, key: str, operation: str) -> StoreError:
+        """Map an ``OSError`` to the objckpt error for it (the caller raises ``from exc``)."""
+        code = exc.errno
+        detail = exc.strerror or str(exc)
+        kw = dict(key=key, location=self.location, operation=operation)
+        if code in (errno.ENOENT, errno.ENOTDIR):
+            return NotFoundError(f"no such object ({detail})", **kw)
+        if code in _PERMISSION_ERRNOS:
+            return PermissionDeniedError(f"permission denied ({detail})", **kw)
+        if code in _FULL_ERRNOS:
+            return StoreError(
+                f"disk full: no space left on the device holding {self.root} ({detail}); "
+                "free space or raise the quota, retrying will not help",
+                **kw,
+            )
+        if code in _TRANSIENT_ERRNOS:
+            return TransientError(f"temporary filesystem error ({detail})", **kw)
+        return StoreError(f"filesystem error {errno.errorcode.get(code or 0, code)} ({detail})", **kw)
+
+    # ------------------------------------------------------------------ directories, locks
+
+    def _ensure_dir(self, path: str, key: str, operation: str) -> None:
+        """Create ``path`` and missing parents up to the root, fsync'ing each parent that got a
+        new entry so the object's name survives a crash."""
+        missing = []
+        probe = path
+        while not os.path.isdir(probe):
+            missing.append(probe)
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory)
+            except FileExistsError:
+                if not os.path.isdir(directory):
+                    raise NotSupportedError(
+                        "a file:// store cannot hold both an object and keys below it "
+                        f"({os.path.relpath(directory, self.root)!r} is an object)",
+                        key=key, location=self.location, operation=operation,
+                    ) from None
+                continue  # a concurrent writer made it
+            except OSError as exc:
+                raise self._error(exc, key, operation) from exc
+            self._fsync_dir(os.path.dirname(directory), key, operation)
+
+    def _fsync_dir(self, path: str, key: str, operation: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self._error(exc, key, operation) from exc
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # some filesystems refuse dir fsync
+                raise self._error(exc, key, operation) from exc
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _key_lock(self, key: str, operation: str) -> Iterator[None]:
+        """Exclusive lock for ``key``'s stripe. Striped (256 files) rather than one file per key
+        so lock files stay bounded although overwrite and delete take them too."""
+        stripe = zlib.crc32(key.encode("utf-8", "surrogateescape")) % LOCK_STRIPES
+        path = os.path.join(self._locks, f"{stripe:02x}")
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(path, flags, 0o666)
+            except FileNotFoundError:
+                self._ensure_dir(self._locks, key, operation)
+                fd = os.open(path, flags, 0o666)
+        except StoreError:
+            raise
+        except OSError as exc:
+            raise self._error(exc, key, operation) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a fresh open file description per call: threads too
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    # ------------------------------------------------------------------ staging
+
+    def _new_staging(self, kind: str, key: str, operation: str) -> tuple[str, str]:
+        """Create an empty staging file for ``key``; returns (name, path).
+
+        The name is ``<kind>.<start ns hex>.<uuid>.<base64url key>``, or ``...<uuid>~long`` with
+        the key in a ``~key`` side file when that would exceed the filesystem's name limit.
+        """
+        upload_id = f"{kind}.{time.time_ns():x}.{uuid.uuid4().hex}"
+        encoded = base64.urlsafe_b64encode(key.encode("utf-8")).decode("ascii").rstrip("=")
+        name = f"{upload_id}.{encoded}"
+        side = None
+        if len(name) > _MAX_NAME:
+            name = f"{upload_id}~long"
+            side = os.path.join(self._staging, upload_id + _KEY_SIDE_SUFFIX)
+        path = os.path.join(self._staging, name)
+        for tries in (1, 2):
+            try:
+                if side is not None:
+                    with open(side, "xb") as f:
+                        f.write(key.encode("utf-8"))
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                os.close(fd)
+                return name, path
+            except FileNotFoundError as exc:
+                if tries == 2:
+                    raise self._error(exc, key, operation) from exc
+                self._ensure_dir(self._staging, key, operation)
+            except OSError as exc:
+                self._discard(name)
+                raise self._error(exc, key, operation) from exc
+        raise AssertionError("unreachable")
+
+    def _discard(self, name: str) -> None:
+        """Remove a staging file and its side file; absent is fine."""
+        if "/" in name or not name.startswith((_KIND_PUT + ".", _KIND_UPLOAD + ".")):
+            raise ValueError(f"not a staging upload id of {self.location}: {name!r}")
+        paths = [os.path.join(self._staging, name)]
+        if name.endswith("~long"):
+            paths.append(os.path.join(self._staging, name[: -len("~long")] + _KEY_SIDE_SUFFIX))
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _parse_staging(self, name: str) -> PendingUpload | None:
+        if name.endswith(_KEY_SIDE_SUFFIX):
+            return None
+        parts = name.split(".", 3)
+        if len(parts) < 3 or parts[0] not in (_KIND_PUT, _KIND_UPLOAD):
+            return None
+        try:
+            started = datetime.fromtimestamp(int(parts[1], 16) / 1e9, tz=timezone.utc)
+            if name.endswith("~long"):
+                side = os.path.join(self._staging, name[: -len("~long")] + _KEY_SIDE_SUFFIX)
+                with open(side, "rb") as f:
+                    key = f.read().decode("utf-8")
+            else:
+                encoded = parts[3]
+                key = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+        except (ValueError, IndexError, OSError):
+            return None  # not ours, or half-written: GC of the staging dir can remove it by age
+        return PendingUpload(key=key, upload_id=name, initiated=started)
+
+    def _seal(self, fd: int, crc32c: str) -> os.stat_result:
+        """Record the CRC32C, stamp a unique mtime, fsync; returns the final stat."""
+        if self._xattrs:
+            try:
+                os.setxattr(fd, XATTR_CRC32C, crc32c.encode("ascii"))
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+                    raise
+                self._xattrs = False  # filesystem without user xattrs: crc32c stays None
+        stamp = _unique_ns()
+        os.utime(fd, ns=(stamp, stamp))
+        os.fsync(fd)
+        return os.fstat(fd)
+
+    def _commit(self, name: str, key: str, mode: PutMode, operation: str) -> None:
+        """Give the sealed staging file ``name`` the key's name, honouring ``mode``, then fsync
+        the directory. The staging name is removed (or left for the caller to discard on error)."""
+        staging = os.path.join(self._staging, name)
+        target = self._path(key, operation)
+        parent = os.path.dirname(target)
+        self._ensure_dir(parent, key, operation)
+        try:
+            if mode.kind == "create":
+                self._link_create(staging, target, key, operation)
+            else:
+                with self._key_lock(key, operation):
+                    if mode.kind == "update":
+                        try:
+                            st = os.stat(target)
+                        except FileNotFoundError:
+                            st = None
+                        if st is None or not stat.S_ISREG(st.st_mode) or _token(st) != mode.version:
+                            current = _token(st) if st is not None and stat.S_ISREG(st.st_mode) else "absent"
+                            raise PreconditionFailedError(
+                                f"version is {current}, expected {mode.version}",
+                                key=key, location=self.location, operation=operation,
+                            )
+                    self._replace(staging, target, key, operation)
+        except StoreError:
+            raise  # already mapped (AlreadyExistsError is also an OSError)
+        except OSError as exc:
+            raise self._error(exc, key, operation) from exc
+        self._fsync_dir(parent, key, operation)
+
+    def _link_create(self, staging: str, target: str, key: str, operation: str) -> None:
+        try:
+            os.link(staging, target)
+        except FileExistsError:
+            self._exists_error(target, key, operation)
+        except OSError as exc:
+            if exc.errno not in _NO_LINK_ERRNOS:
+                raise
+            # No hard links here (some FUSE/SMB mounts): check and replace under the lock.
+            with self._key_lock(key, operation):
+                if os.path.lexists(target):
+                    self._exists_error(target, key, operation)
+                os.replace(staging, target)
+        # after a link the staging name still exists; the caller discards it
+
+    def _exists_error(self, target: str, key: str, operation: str) -> None:
+        if os.path.isdir(target):
+            raise NotSupportedError(
+                "a file:// store cannot hold both an object and keys below it "
+                "(the key is a directory of other keys)",
+                key=key, location=self.location, operation=operation,
+            )
+        raise AlreadyExistsError("object already exists", key=key, location=self.location, operation=operation)
+
+    def _replace(self, staging: str, target: str, key: str, operation: str) -> None:
+        try:
+            os.replace(staging, target)
+        except IsADirectoryError:
+            raise NotSupportedError(
+                "a file:// store cannot hold both an object and keys below it "
+                "(the key is a directory of other keys)",
+                key=key, location=self.location, operation=operation,
+            ) from None
+
+    def _meta(self, key: str, st: os.stat_result, crc32c: str | None) -> ObjectMeta:
+        return ObjectMeta(
+            key=key,
+            size=st.st_size,
+            version=_token(st),
+            crc32c=crc32c,
+            last_modified=datetime.fromtimestamp(st.st_mtime_ns / 1e9, tz=timezone.utc),
+        )
+
+    def _read_crc(self, path: str) -> str | None:
+        if not self._xattrs:
+            return None
+        try:
+            return os.getxattr(path, XATTR_CRC32C).decode("ascii")
+        except (OSError, UnicodeDecodeError):
+            return None  # written by something else, or xattrs unsupported
+
+    # ------------------------------------------------------------------ writes
+
+    def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
+        """Atomic create/overwrite/update of one object (see module doc).
+
+        Raises AlreadyExistsError, PreconditionFailedError, ChecksumMismatchError (body does not
+        match ``crc32c``), NotSupportedError (key clashes with a directory), InvalidKeyError, and
+        the mapped filesystem errors; on any error no object is written or changed.
+        """
+        self._path(key, "put")
+        if crc32c_b64(data) != crc32c:
+            raise ChecksumMismatchError(
+                f"body does not match its CRC32C {crc32c}", key=key, location=self.location
+            )
+        name, path = self._new_staging(_KIND_PUT, key, "put")
+        try:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    view = data
+                    while view.nbytes:
+                        written = os.write(fd, view)
+                        view = view[written:]
+                    st = self._seal(fd, crc32c)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise self._error(exc, key, "put") from exc
+            self._commit(name, key, mode, "put")
+        except BaseException:
+            self._discard(name)
+            raise
+        self._discard(name)  # replace/fallback consumed it already; link left it
+        return self._meta(key, st, crc32c)
+
+    def _create_upload(self, key: str, mode: PutMode) -> UploadHandle:
+        self._path(key, "create_upload")
+        name, path = self._new_staging(_KIND_UPLOAD, key, "create_upload")
+        return UploadHandle(key=key, mode=mode, upload_id=name, state={"path": path})
+
+    def _upload_part(
+        self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
+    ) -> PartResult:
+        """Verify the part's CRC32C, then ``pwrite`` it at its offset (idempotent on retry).
+
+        Raises ChecksumMismatchError for a corrupted part, NotFoundError if the upload was aborted.
+        """
+        if crc32c_b64(data) != crc32c:
+            raise ChecksumMismatchError(
+                f"part {part_number} does not match its CRC32C {crc32c}",
+                key=handle.key, location=self.location,
+            )
+        try:
+            # No O_CREAT: a part arriving after an abort must not resurrect the upload.
+            fd = os.open(handle.state["path"], os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                view, pos = data, offset
+                while view.nbytes:
+                    written = os.pwrite(fd, view, pos)
+                    view, pos = view[written:], pos + written
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._error(exc, handle.key, "upload_part") from exc
+        return PartResult(part_number, offset, data.nbytes, crc32c)
+
+    def _complete_upload(
+        self, handle: UploadHandle, parts: list[PartResult], size: int, crc32c: str
+    ) -> ObjectMeta:
+        """Check the parts tile ``[0, size)``, fsync, and commit like ``_put`` (atomic)."""
+        expected = 0
+        for part in sorted(parts, key=lambda p: p.offset):
+            if part.offset != expected:
+                raise StoreError(
+                    f"parts do not tile the object: gap or overlap at byte {expected}",
+                    key=handle.key, location=self.location, operation="complete_upload",
+                )
+            expected += part.size
+        if expected != size:
+            raise StoreError(
+                f"parts add up to {expected} bytes, expected {size}",
+                key=handle.key, location=self.location, operation="complete_upload",
+            )
+        try:
+            fd = os.open(handle.state["path"], os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)  # a retried larger earlier part cannot leave a tail
+                st = self._seal(fd, crc32c)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._error(exc, handle.key, "complete_upload") from exc
+        self._commit(handle.upload_id, handle.key, handle.mode, "complete_upload")
+        self._discard(handle.upload_id)
+        return self._meta(handle.key, st, crc32c)
+
+    def _abort_upload(self, handle: UploadHandle) -> None:
+        self._discard(handle.upload_id)
+
+    def _list_uploads(self, prefix: str) -> list[PendingUpload]:
+        try:
+            names = os.listdir(self._staging)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise self._error(exc, prefix, "list_uploads") from exc
+        found = []
+        for name in sorted(names):
+            upload = self._parse_staging(name)
+            if upload is not None and upload.key.startswith(prefix):
+                found.append(upload)
+        return found
+
+    def _abort_pending(self, upload: PendingUpload) -> None:
+        self._discard(upload.upload_id)
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        """Unlink each key (absent ones ignored), then fsync each touched directory once, so a
+        caller that deletes a manifest before its shards keeps that order across a crash."""
+        touched = set()
+        for key in keys:
+            path = self._path(key, "delete")
+            if not os.path.lexists(path):
+                continue  # absent: nothing to lock (and nothing created on a missing root)
+            try:
+                with self._key_lock(key, "delete"):
+                    os.unlink(path)
+            except StoreError:
+                raise
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EISDIR or (exc.errno == errno.EPERM and os.path.isdir(path)):
+                    continue  # a "directory" of other keys is not an object
+                raise self._error(exc, key, "delete") from exc
+            touched.add(os.path.dirname(path))
+        for directory in sorted(touched):
+            try:
+                self._fsync_dir(directory, "", "delete")
+            except NotFoundError:
+                pass
+
+    # ------------------------------------------------------------------ reads
+
+    def _open_read(self, key: str) -> int:
+        path = self._path(key, "get")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self._error(exc, key, "get") from exc
+        if stat.S_ISDIR(os.fstat(fd).st_mode):  # a "directory" of other keys is not an object
+            os.close(fd)
+            raise NotFoundError("no such object", key=key, location=self.location, operation="get")
+        return fd
+
+    def _get(self, key: str, start: int, end: int | None) -> bytes:
+        fd = self._open_read(key)
+        try:
+            out = bytearray()
+            pos = start
+            while end is None or pos < end:
+                want = DEFAULT_READ_CHUNK if end is None else min(end - pos, DEFAULT_READ_CHUNK)
+                chunk = os.pread(fd, want, pos)
+                if not chunk:
+                    break  # past the end: ranges are clamped, like HTTP range requests
+                out += chunk
+                pos += len(chunk)
+            return bytes(out)
+        except OSError as exc:
+            raise self._error(exc, key, "get") from exc
+        finally:
+            os.close(fd)
+
+    def _open(self, key: str, start: int) -> Iterator[bytes]:
+        fd = self._open_read(key)
+        try:
+            pos = start
+            while True:
+                try:
+                    chunk = os.pread(fd, DEFAULT_READ_CHUNK, pos)
+                except OSError as exc:
+                    raise self._error(exc, key, "get") from exc
+                if not chunk:
+                    return
+                pos += len(chunk)
+                yield chunk
+        finally:
+            os.close(fd)
+
+    def _head(self, key: str) -> ObjectMeta:
+        path = self._path(key, "head")
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise self._error(exc, key, "head") from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise NotFoundError("no such object", key=key, location=self.location, operation="head")
+        return self._meta(key, st, self._read_crc(path))
+
+    def _start_dir(self, prefix: str) -> tuple[str, str] | None:
+        """(directory to walk, key prefix of its entries) for ``prefix``; ``None`` when no valid
+        key can start with ``prefix``."""
+        dirs = prefix.split("/")[:-1]  # the last segment is a partial name, used as a filter
+        if any(seg in ("", ".", "..") or "\x00" in seg for seg in dirs):
+            return None
+        if dirs and dirs[0].startswith(RESERVED_PREFIX):
+            return None
+        return os.path.join(self.root, *dirs), "".join(seg + "/" for seg in dirs)
+
+    def _walk(
+        self, directory: str, key_prefix: str, prefix: str, start_after: str | None
+    ) -> Iterator[tuple[str, str]]:
+        """(key, path) of every file below ``directory`` whose key starts with ``prefix`` and is
+        greater than ``start_after``, in plain string order (as S3 lists), not directory order.
+
+        A directory ``d`` sorts as ``"d/"``: every key below it starts with that, so ordering
+        siblings that way and descending in order yields keys sorted. Subtrees entirely before
+        ``start_after`` or outside ``prefix`` are skipped without being read.
+        """
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        items = []
+        for entry in entries:
+            name = entry.name
+            if not key_prefix and name.startswith(RESERVED_PREFIX):
+                continue  # staging and lock files are not objects
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    items.append((key_prefix + name + "/", entry.path, True))
+                elif entry.is_file(follow_symlinks=False):
+                    items.append((key_prefix + name, entry.path, False))
+            except OSError:
+                continue  # vanished while listing
+        items.sort()
+        for key, path, is_dir in items:
+            if is_dir:
+                if not (key.startswith(prefix) or prefix.startswith(key)):
+                    continue
+                if start_after is not None and key < start_after and not start_after.startswith(key):
+                    continue  # every key below is < start_after
+                yield from self._walk(path, key, prefix, start_after)
+            elif key.startswith(prefix) and (start_after is None or key > start_after):
+                yield key, path
+
+    def _list_page(
+        self, prefix: str, start_after: str | None, limit: int
+    ) -> tuple[list[ObjectMeta], bool]:
+        start = self._start_dir(prefix)
+        if start is None:
+            return [], False
+        page: list[ObjectMeta] = []
+        try:
+            for key, path in self._walk(start[0], start[1], prefix, start_after):
+                if len(page) == limit:
+                    return page, True
+                try:
+                    st = os.stat(path, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted since the directory was read
+                page.append(self._meta(key, st, self._read_crc(path)))
+        except OSError as exc:
+            raise self._error(exc, prefix, "list") from exc
+        return page, False
+
+    def _list_prefixes(self, prefix: str) -> list[str]:
+        """Subdirectories directly below ``prefix`` that hold at least one object (like S3, an
+        empty directory left behind by deletes is not a prefix)."""
+        start = self._start_dir(prefix)
+        if start is None:
+            return []
+        directory, key_prefix = start
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise self._error(exc, prefix, "list") from exc
+        found = []
+        for entry in entries:
+            key = key_prefix + entry.name + "/"
+            if not key_prefix and entry.name.startswith(RESERVED_PREFIX):
+                continue
+            if key.startswith(prefix) and entry.is_dir(follow_symlinks=False):
+                if next(self._walk(entry.path, key, key, None), None) is not None:
+                    found.append(key)
+        return sorted(found)
+
+
+__all__ = ["InvalidKeyError", "LocalStore"]

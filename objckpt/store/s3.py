@@ -1,0 +1,798 @@
+"""``s3://bucket/prefix``: Amazon S3 and S3-compatible servers (LocalStack, moto, MinIO...).
+
+Everything objckpt needs maps onto single S3 requests, so each guarantee is the server's own:
+
+* create-if-absent is ``If-None-Match: *`` on PutObject and on CompleteMultipartUpload;
+  compare-and-swap is ``If-Match: <etag>`` on PutObject (and CompleteMultipartUpload); the
+  version token is the ETag. There is never a check-then-write on the client.
+* every PutObject / UploadPart carries ``x-amz-checksum-crc32c`` computed by the base class, so
+  the server rejects corrupted bytes; multipart uploads are created with ``ChecksumType=FULL_OBJECT``
+  (by default) and completed with the whole object's CRC32C, so the server checks the assembled
+  object too and ``head()`` reports the full-object CRC32C. A composite (``...-N``) checksum is
+  never reported as a CRC32C.
+* botocore's own retries are off (tenacity in :class:`~objckpt._retry.RetryPolicy` is the one
+  retry layer) and its automatic extra checksums are limited to requests that require them,
+  so S3-compatible servers that do not know the newer checksum headers keep working.
+
+SDK exceptions are translated at this edge (see :func:`map_s3_error`); nothing above this module
+sees botocore.
+
+Options (URI query parameters or ``open_store`` keywords):
+
+==========================  =====================================================================
+``endpoint_url``            S3-compatible endpoint, e.g. ``http://127.0.0.1:4566``
+``region``                  signing region (default: the profile's, else ``us-east-1``)
+``profile``                 a named profile from the AWS config files
+``path_style``              ``true``: ``http://host/bucket/key`` addressing (default with an
+                            ``endpoint_url``), ``false``: virtual-hosted
+``conditional_writes``      ``atomic`` (default, AWS), ``unsafe`` (server honours the headers
+                            but not atomically under races, e.g. moto), ``none`` (server ignores
+                            them: CREATE/update writes raise :class:`NotSupportedError`)
+``verified_checksums``      ``false`` when the server accepts parts whose CRC32C is wrong
+``checksum_type``           ``full_object`` (default) or ``composite`` (servers without
+                            FULL_OBJECT multipart checksums; ``head`` then reports no CRC32C
+                            for multipart objects)
+``connect_timeout``         seconds (default 10)
+``read_timeout``            seconds without a byte from the server (default 60)
+``max_pool_connections``    HTTP connections kept (default ``max(2 x max_in_flight, 16)``)
+``verify``                  ``false`` to skip TLS verification, or a CA bundle path
+``payload_signing``         ``true`` SHA-256-signs bodies even over https (slower)
+``access_key_id``,          explicit credentials; meant for local test servers; prefer the
+``secret_access_key``,      environment, a profile or an instance role. Never echoed in
+``session_token``           messages or ``repr``.
+==========================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Callable
+
+import boto3
+import botocore.exceptions as bexc
+from botocore.config import Config
+
+from ..errors import (
+    AlreadyExistsError,
+    ConfigError,
+    NotFoundError,
+    NotSupportedError,
+    PermissionDeniedError,
+    PreconditionFailedError,
+    StoreError,
+    TransientError,
+)
+from .base import (
+    DEFAULT_READ_CHUNK,
+    MiB,
+    Capabilities,
+    ObjectMeta,
+    PartResult,
+    PendingUpload,
+    PutMode,
+    Store,
+    UploadHandle,
+)
+
+if TYPE_CHECKING:
+    from . import ParsedURI
+
+#: S3 rejects non-final parts below this size (EntityTooSmall) when the upload completes.
+S3_MIN_PART_SIZE = 5 * MiB
+S3_MAX_PARTS = 10_000
+
+CONDITIONAL_WRITE_MODES = ("atomic", "unsafe", "none")
+CHECKSUM_TYPES = ("full_object", "composite")
+
+# ---------------------------------------------------------------------------- error mapping
+
+#: error codes that a retry can fix (throttling, server-side trouble)
+TRANSIENT_CODES = frozenset({
+    "SlowDown", "ServiceUnavailable", "InternalError", "InternalServerError", "RequestTimeout",
+    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "RequestThrottledException", "TooManyRequestsException", "ProvisionedThroughputExceededException",
+    "RequestLimitExceeded", "BandwidthLimitExceeded", "OperationAborted", "500", "502", "503", "504",
+    "429",
+})
+PERMISSION_CODES = frozenset({
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+    "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidSecurity",
+    "UnauthorizedAccess", "403", "401",
+})
+#: the server refused the bytes because a checksum did not match what it received
+CHECKSUM_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch",
+                            "InvalidChecksum"})
+CONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
+
+_CONNECTION_ERRORS = (
+    bexc.ConnectTimeoutError,
+    bexc.ReadTimeoutError,
+    bexc.EndpointConnectionError,
+    bexc.ConnectionClosedError,
+    bexc.ResponseStreamingError,
+    bexc.IncompleteReadError,
+    bexc.ProxyConnectionError,
+    bexc.HTTPClientError,  # base of the urllib3-level failures botocore wraps
+    bexc.ConnectionError,
+)
+_CREDENTIAL_ERRORS = (
+    bexc.NoCredentialsError,
+    bexc.PartialCredentialsError,
+    bexc.CredentialRetrievalError,
+    bexc.NoAuthTokenError,
+    bexc.TokenRetrievalError,
+    bexc.UnknownCredentialError,
+)
+
+
+def _client_error_parts(exc: bexc.ClientError) -> tuple[str, int, str]:
+    response = exc.response or {}
+    error = response.get("Error", {}) or {}
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    code = str(error.get("Code") or status or "Unknown")
+    # Only the server's Message: the rest of an S3 error body can echo the access key id or the
+    # string-to-sign, which do not belong in logs.
+    message = str(error.get("Message") or "").strip()
+    return code, status, message
+
+
+def map_s3_error(
+    exc: BaseException,
+    *,
+    operation: str,
+    key: str,
+    location: str,
+    bucket: str,
+    mode: PutMode | None = None,
+) -> BaseException:
+    """Translate one SDK exception into the objckpt error a caller can act on.
+
+    ============================================================  ==============================
+    SlowDown / 503, 500, InternalError, RequestTimeout, 429,      :class:`TransientError`
+    throttling codes; connect/read timeouts, refused or reset
+    connections, a body cut short
+    412 PreconditionFailed, 409 ConditionalRequestConflict        :class:`AlreadyExistsError`
+                                                                  (CREATE) or
+                                                                  :class:`PreconditionFailedError`
+                                                                  (update)
+    NoSuchKey / 404 during an update (If-Match on a missing key)  :class:`PreconditionFailedError`
+    NoSuchBucket                                                  :class:`NotFoundError` naming
+                                                                  the bucket
+    NoSuchKey / 404, NoSuchUpload                                 :class:`NotFoundError`
+    403, AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch, :class:`PermissionDeniedError`
+    ExpiredToken; no credentials found
+    501 NotImplemented                                            :class:`NotSupportedError`
+    BadDigest, InvalidDigest, other 4xx                           :class:`StoreError` (permanent;
+                                                                  checksum rejections say so)
+    ============================================================  ==============================
+
+    Returns the new exception (the caller raises it ``from exc`` so ``__cause__`` is kept).
+    """
+    where = {"key": key, "location": location, "operation": operation}
+    if isinstance(exc, StoreError):
+        return exc
+    if isinstance(exc, bexc.ClientError):
+        code, status, message = _client_error_parts(exc)
+        detail = f"{code} (HTTP {status})" + (f": {message}" if message else "")
+        if code in CONDITION_CODES or status == 412:
+            if mode is not None and mode.kind == "update":
+                return PreconditionFailedError(
+                    f"version changed, expected {mode.version}; {detail}", **where
+                )
+            if mode is not None and mode.kind == "create":
+                return AlreadyExistsError(f"object already exists; {detail}", **where)
+            return StoreError(f"precondition failed; {detail}", **where)
+        if code == "NoSuchBucket":
+            return NotFoundError(f"bucket {bucket!r} does not exist; {detail}", **where)
+        if code in ("NoSuchKey", "404", "NotFound") or (status == 404 and code != "NoSuchUpload"):
+            if mode is not None and mode.kind == "update":
+                # S3 answers If-Match on an absent key with 404: the version we expected is gone.
+                return PreconditionFailedError(
+                    f"object is absent, expected version {mode.version}; {detail}", **where
+                )
+            return NotFoundError(f"no such object; {detail}", **where)
+        if code == "NoSuchUpload":
+            return NotFoundError(
+                f"multipart upload no longer exists (aborted, completed or expired); {detail}",
+                **where,
+            )
+        if code in PERMISSION_CODES or status in (401, 403):
+            return PermissionDeniedError(
+                f"access denied by the server (check credentials and the bucket policy); {detail}",
+                **where,
+            )
+        if code in CHECKSUM_CODES or (status == 400 and "checksum" in message.lower()):
+            return StoreError(
+                f"server rejected the data: checksum mismatch ({detail}); the bytes sent do not "
+                "match their CRC32C", **where,
+            )
+        if code in TRANSIENT_CODES or status >= 500 or status == 429:
+            if code == "NotImplemented" or status == 501:
+                return NotSupportedError(f"the server does not implement this request; {detail}",
+                                         **where)
+            return TransientError(f"server error, retryable; {detail}", **where)
+        if code == "NotImplemented":
+            return NotSupportedError(f"the server does not implement this request; {detail}", **where)
+        if code == "EntityTooSmall":
+            return StoreError(
+                f"a multipart part is below S3's 5 MiB minimum (raise part_size); {detail}", **where
+            )
+        if code == "InvalidRange":
+            return StoreError(f"byte range outside the object; {detail}", **where)
+        return StoreError(f"request rejected; {detail}", **where)
+    if isinstance(exc, _CREDENTIAL_ERRORS):
+        return PermissionDeniedError(f"no usable AWS credentials: {type(exc).__name__}", **where)
+    if isinstance(exc, bexc.SSLError):
+        # certificate problems do not heal on retry
+        return StoreError(f"TLS error talking to the endpoint: {exc}", **where)
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return TransientError(f"connection problem: {type(exc).__name__}: {exc}", **where)
+    if isinstance(exc, (ConnectionError, TimeoutError)):  # raw socket errors that escape urllib3
+        return TransientError(f"connection problem: {type(exc).__name__}: {exc}", **where)
+    if isinstance(exc, (bexc.ParamValidationError, bexc.NoRegionError)):
+        return ConfigError(f"invalid S3 request for {location}/{key}: {exc}")
+    if isinstance(exc, bexc.BotoCoreError):
+        return StoreError(f"S3 client error: {type(exc).__name__}: {exc}", **where)
+    return exc
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable, read-only file over a memoryview, so a part is sent without copying it.
+
+    botocore only takes bytes or file objects as a body; ``bytes(view)`` would double the memory
+    held per in-flight part.
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._view.nbytes
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self._pos + offset
+        else:
+            pos = self._view.nbytes + offset
+        self._pos = max(0, pos)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._view.nbytes - self._pos)
+        if n <= 0:
+            return 0
+        buffer[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._view.nbytes if size is None or size < 0 else min(self._pos + size, self._view.nbytes)
+        chunk = self._view[self._pos : end].tobytes()
+        self._pos = max(self._pos, end)
+        return chunk
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"option {name} must be true or false, got {value!r}")
+
+
+def _quoted(etag: str | None) -> str:
+    """ETags are compared as the server sends them: one canonical quoted form."""
+    if not etag:
+        return ""
+    return etag if etag.startswith('"') or etag.startswith("W/") else f'"{etag}"'
+
+
+def _full_crc(value: str | None, checksum_type: str | None) -> str | None:
+    """The full-object CRC32C, or ``None`` for a composite (checksum-of-checksums) value."""
+    if not value or "-" in value or (checksum_type or "").upper() == "COMPOSITE":
+        return None
+    return value
+
+
+def multipart_etag(part_etags: list[str]) -> str:
+    """The ETag S3 gives a multipart object: MD5 of the parts' binary MD5s, ``-<count>``."""
+    digest = hashlib.md5(usedforsecurity=False)
+    for etag in part_etags:
+        digest.update(bytes.fromhex(etag.strip('"')))
+    return f'"{digest.hexdigest()}-{len(part_etags)}"'
+
+
+# ---------------------------------------------------------------------------- the store
+
+
+class S3Store(Store):
+    """Objects under ``s3://bucket/prefix/``. Thread-safe (one botocore client, shared).
+
+    Atomicity: a ``put`` is one PutObject; a ``put_stream`` becomes visible only when
+    CompleteMultipartUpload succeeds, whole. Conditional modes are enforced by the server
+    (``If-None-Match`` / ``If-Match``); with ``conditional_writes=none`` they raise
+    :class:`NotSupportedError` instead of degrading.
+
+    Raises (from every method): :class:`TransientError` (retried by the store's policy),
+    :class:`PermissionDeniedError`, :class:`NotFoundError` (key, upload or bucket missing),
+    :class:`AlreadyExistsError` / :class:`PreconditionFailedError` (conditional write lost),
+    :class:`StoreError` (any other rejection, e.g. a checksum the server refused).
+    """
+
+    scheme = "s3"
+    OPTIONS = (
+        "endpoint_url",
+        "region",
+        "profile",
+        "path_style",
+        "conditional_writes",
+        "verified_checksums",
+        "checksum_type",
+        "connect_timeout",
+        "read_timeout",
+        "max_pool_connections",
+        "verify",
+        "payload_signing",
+        "access_key_id",
+        "secret_access_key",
+        "session_token",
+    )
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        path_style: bool | None = None,
+        conditional_writes: str = "atomic",
+        verified_checksums: bool = True,
+        checksum_type: str = "full_object",
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        max_pool_connections: int | None = None,
+        verify: bool | str | None = None,
+        payload_signing: bool | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        read_chunk: int = DEFAULT_READ_CHUNK,
+        client: Any = None,
+        **store_kwargs: Any,
+    ) -> None:
+        """Open ``s3://bucket/prefix``. No request is made here.
+
+        ``client`` injects a ready botocore S3 client (tests with ``botocore.stub.Stubber``);
+        it must have retries disabled like the one built here.
+
+        Raises:
+            ConfigError: an invalid option, an unknown profile, or only half of a key pair.
+        """
+        if conditional_writes not in CONDITIONAL_WRITE_MODES:
+            raise ConfigError(
+                f"conditional_writes must be one of {CONDITIONAL_WRITE_MODES}, got {conditional_writes!r}"
+            )
+        if checksum_type not in CHECKSUM_TYPES:
+            raise ConfigError(f"checksum_type must be one of {CHECKSUM_TYPES}, got {checksum_type!r}")
+        store_kwargs.setdefault(
+            "capabilities",
+            Capabilities(
+                create_if_absent=conditional_writes != "none",
+                compare_and_swap=conditional_writes != "none",
+                atomic_conditionals=conditional_writes == "atomic",
+                server_verified_checksums=verified_checksums,
+            ),
+        )
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        location = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        super().__init__(location=location, **store_kwargs)
+        # part_size below S3_MIN_PART_SIZE is allowed: test servers may accept small parts. A real
+        # S3 rejects such an upload at completion (EntityTooSmall), and the error says so.
+        self._root = self.prefix + "/" if self.prefix else ""
+        self.conditional_writes = conditional_writes
+        self.checksum_type = checksum_type
+        self.endpoint_url = endpoint_url
+        self.read_chunk = read_chunk
+        self._bucket_checked = False
+        self._bucket_lock = threading.Lock()
+        if client is not None:
+            self._client = client
+            return
+        if (access_key_id is None) != (secret_access_key is None):
+            raise ConfigError("access_key_id and secret_access_key must be given together")
+        try:
+            session = boto3.session.Session(
+                profile_name=profile,
+                aws_access_key_id=access_key_id,
+                aws_secret_access_key=secret_access_key,
+                aws_session_token=session_token,
+            )
+        except bexc.ProfileNotFound as exc:
+            raise ConfigError(f"AWS profile {profile!r} not found (for {location})") from exc
+        region = region or session.region_name or "us-east-1"
+        if path_style is None:
+            path_style = endpoint_url is not None  # custom servers rarely have wildcard DNS
+        s3_config: dict[str, Any] = {"addressing_style": "path" if path_style else "virtual"}
+        if payload_signing is not None:
+            s3_config["payload_signing_enabled"] = payload_signing
+        pool = max_pool_connections or max(2 * self.max_in_flight, 16)
+        if pool < self.max_in_flight:
+            raise ConfigError(
+                f"max_pool_connections ({pool}) must be >= max_in_flight ({self.max_in_flight})"
+            )
+        config = Config(
+            region_name=region,
+            signature_version="s3v4",
+            s3=s3_config,
+            # tenacity (RetryPolicy) is the one retry layer; botocore must try exactly once.
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_pool_connections=pool,
+            tcp_keepalive=True,
+            # botocore >= 1.36 adds CRC32 checksums (and aws-chunked trailers over https) to
+            # every request by default; many S3-compatible servers reject those. We send our own
+            # CRC32C where it matters and validate downloads ourselves.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        try:
+            self._client = session.client(
+                "s3", endpoint_url=endpoint_url, config=config, verify=verify
+            )
+        except (bexc.BotoCoreError, ValueError) as exc:
+            raise ConfigError(f"cannot create an S3 client for {location}: {exc}") from exc
+
+    @classmethod
+    def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> S3Store:
+        """Build from ``s3://bucket/prefix?option=value`` (options already validated by name)."""
+        from . import common_store_kwargs
+
+        opts = dict(options)
+        kwargs: dict[str, Any] = common_store_kwargs(opts)
+        for name in ("path_style", "verified_checksums", "payload_signing"):
+            if name in opts:
+                kwargs[name] = _as_bool(name, opts.pop(name))
+        for name in ("connect_timeout", "read_timeout"):
+            if name in opts:
+                try:
+                    kwargs[name] = float(opts.pop(name))
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"option {name} must be a number of seconds") from exc
+        if "max_pool_connections" in opts:
+            kwargs["max_pool_connections"] = int(opts.pop("max_pool_connections"))
+        if "verify" in opts:
+            value = opts.pop("verify")
+            if isinstance(value, str) and value.strip().lower() in ("0", "1", "true", "false", "yes", "no"):
+                value = _as_bool("verify", value)
+            kwargs["verify"] = value
+        for name in ("conditional_writes", "checksum_type"):
+            if name in opts:
+                kwargs[name] = str(opts.pop(name)).strip().lower()
+        for name in ("endpoint_url", "region", "profile", "access_key_id", "secret_access_key",
+                     "session_token"):
+            if name in opts:
+                kwargs[name] = opts.pop(name) or None
+        if opts:  # open_store already rejects unknown names; direct callers get the same check
+            raise ConfigError(f"unknown option(s) {sorted(opts)} for s3:// URIs")
+        return cls(parsed.bucket, parsed.prefix, **kwargs)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _full(self, key: str) -> str:
+        return self._root + key
+
+    def _rel(self, full_key: str) -> str:
+        return full_key[len(self._root) :] if full_key.startswith(self._root) else full_key
+
+    def _error(self, exc: BaseException, operation: str, key: str,
+               mode: PutMode | None = None) -> BaseException:
+        return map_s3_error(exc, operation=operation, key=key, location=self.location,
+                            bucket=self.bucket, mode=mode)
+
+    def _request(self, operation: str, key: str, fn: Callable[..., Any], *,
+                 mode: PutMode | None = None, **kwargs: Any) -> Any:
+        """One SDK call, its exceptions translated (exactly once: no retry here)."""
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except Exception as exc:
+            mapped = self._error(exc, operation, key, mode)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+
+    @staticmethod
+    def _conditions(mode: PutMode) -> dict[str, str]:
+        if mode.kind == "create":
+            return {"IfNoneMatch": "*"}
+        if mode.kind == "update":
+            return {"IfMatch": _quoted(mode.version)}
+        return {}
+
+    # ------------------------------------------------------------------ writes
+
+    def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
+        """PutObject with the CRC32C the server verifies; atomic; conditional per ``mode``."""
+        resp = self._request(
+            "put", key, self._client.put_object, mode=mode,
+            Key=self._full(key), Body=_ViewReader(data), ContentLength=data.nbytes,
+            ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c, **self._conditions(mode),
+        )
+        return ObjectMeta(key=key, size=data.nbytes, version=_quoted(resp.get("ETag")), crc32c=crc32c)
+
+    def _create_upload(self, key: str, mode: PutMode) -> UploadHandle:
+        extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32C"}
+        if self.checksum_type == "full_object":
+            extra["ChecksumType"] = "FULL_OBJECT"
+        resp = self._request("create_upload", key, self._client.create_multipart_upload,
+                             Key=self._full(key), **extra)
+        return UploadHandle(key=key, mode=mode, upload_id=resp["UploadId"])
+
+    def _upload_part(
+        self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
+    ) -> PartResult:
+        if part_number > S3_MAX_PARTS:
+            raise StoreError(
+                f"more than {S3_MAX_PARTS} parts: raise part_size for objects this large",
+                key=handle.key, location=self.location, operation="upload_part",
+            )
+        resp = self._request(
+            "upload_part", handle.key, self._client.upload_part,
+            Key=self._full(handle.key), UploadId=handle.upload_id, PartNumber=part_number,
+            Body=_ViewReader(data), ContentLength=data.nbytes,
+            ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c,
+        )
+        return PartResult(part_number, offset, data.nbytes, crc32c, token=_quoted(resp.get("ETag")))
+
+    def _complete_upload(
+        self, handle: UploadHandle, parts: list[PartResult], size: int, crc32c: str
+    ) -> ObjectMeta:
+        """CompleteMultipartUpload under ``handle.mode``'s condition, atomically.
+
+        A retried completion whose first response was lost finds the object already there (412)
+        or the upload gone (NoSuchUpload); if the object's ETag is the one these parts produce,
+        the earlier try succeeded and this returns its meta instead of failing.
+        """
+        attempts = handle.state["complete_attempts"] = handle.state.get("complete_attempts", 0) + 1
+        extra: dict[str, Any] = dict(self._conditions(handle.mode))
+        if self.checksum_type == "full_object":
+            extra.update(ChecksumType="FULL_OBJECT", ChecksumCRC32C=crc32c, MpuObjectSize=size)
+        body = {
+            "Parts": [
+                {"PartNumber": p.part_number, "ETag": p.token, "ChecksumCRC32C": p.crc32c}
+                for p in parts
+            ]
+        }
+        try:
+            resp = self._request(
+                "complete_upload", handle.key, self._client.complete_multipart_upload,
+                mode=handle.mode, Key=self._full(handle.key), UploadId=handle.upload_id,
+                MultipartUpload=body, **extra,
+            )
+        except (AlreadyExistsError, PreconditionFailedError, NotFoundError):
+            if attempts > 1:
+                meta = self._completed_earlier(handle, parts)
+                if meta is not None:
+                    return meta
+            raise
+        return ObjectMeta(key=handle.key, size=size, version=_quoted(resp.get("ETag")), crc32c=crc32c)
+
+    def _completed_earlier(self, handle: UploadHandle, parts: list[PartResult]) -> ObjectMeta | None:
+        try:
+            meta = self._head(handle.key)
+        except StoreError:
+            return None
+        if meta.version == multipart_etag([str(p.token) for p in parts]):
+            return meta
+        return None
+
+    def _abort_upload(self, handle: UploadHandle) -> None:
+        self._abort(handle.key, handle.upload_id)
+
+    def _abort(self, key: str, upload_id: str) -> None:
+        try:
+            self._request("abort_upload", key, self._client.abort_multipart_upload,
+                          Key=self._full(key), UploadId=upload_id)
+        except NotFoundError:
+            pass  # already aborted or completed: abort is idempotent
+
+    def _abort_pending(self, upload: PendingUpload) -> None:
+        self._abort(upload.key, upload.upload_id)
+
+    def _list_uploads(self, prefix: str) -> list[PendingUpload]:
+        """ListMultipartUploads, every page, with each upload's initiation time."""
+        found: list[PendingUpload] = []
+        kwargs: dict[str, Any] = {"Prefix": self._full(prefix)}
+        while True:
+            resp = self._request("list_uploads", prefix, self._client.list_multipart_uploads, **kwargs)
+            for upload in resp.get("Uploads", []) or []:
+                found.append(PendingUpload(self._rel(upload["Key"]), upload["UploadId"],
+                                           upload.get("Initiated")))
+            if not resp.get("IsTruncated"):
+                return found
+            key_marker = resp.get("NextKeyMarker")
+            upload_marker = resp.get("NextUploadIdMarker")
+            if not key_marker and not upload_marker:
+                return found
+            kwargs["KeyMarker"] = key_marker or ""
+            kwargs["UploadIdMarker"] = upload_marker or ""
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        """DeleteObjects (Quiet); a per-key failure raises the mapped error for that key."""
+        resp = self._request(
+            "delete", keys[0] if len(keys) == 1 else "", self._client.delete_objects,
+            Delete={"Objects": [{"Key": self._full(k)} for k in keys], "Quiet": True},
+        )
+        errors = [e for e in resp.get("Errors", []) or [] if e.get("Code") != "NoSuchKey"]
+        if not errors:
+            return
+        first = errors[0]
+        code = first.get("Code", "Unknown")
+        fake = bexc.ClientError(
+            {"Error": {"Code": code, "Message": first.get("Message", "")},
+             "ResponseMetadata": {"HTTPStatusCode": 200}},
+            "DeleteObjects",
+        )
+        mapped = self._error(fake, "delete", self._rel(first.get("Key", "")))
+        if isinstance(mapped, StoreError) and len(errors) > 1:
+            # same class (transient stays retryable), message counts every key that failed
+            mapped = type(mapped)(
+                f"{len(errors)} of {len(keys)} key(s) not deleted; first: {code}: "
+                f"{first.get('Message', '')}",
+                key=mapped.key, location=self.location, operation="delete",
+            )
+        raise mapped
+
+    # ------------------------------------------------------------------ reads
+
+    def _get(self, key: str, start: int, end: int | None) -> bytes:
+        kwargs: dict[str, Any] = {"Key": self._full(key)}
+        if start or end is not None:
+            kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        try:
+            resp = self._request("get", key, self._client.get_object, **kwargs)
+        except StoreError as exc:
+            if _is_invalid_range(exc):
+                return b""  # like a slice past the end: nothing there
+            raise
+        body = resp["Body"]
+        try:
+            return body.read()
+        except Exception as exc:
+            raise self._error(exc, "get", key) from exc
+        finally:
+            body.close()
+
+    def _open(self, key: str, start: int) -> Iterator[bytes]:
+        """GetObject from ``start`` (Range header), yielding ``read_chunk`` pieces.
+
+        The request is made at the first ``next()``. A read that fails mid-body raises
+        :class:`TransientError`; the base's ``get_stream`` resumes from its offset.
+        """
+        kwargs: dict[str, Any] = {"Key": self._full(key)}
+        if start:
+            kwargs["Range"] = f"bytes={start}-"
+        try:
+            resp = self._request("get", key, self._client.get_object, **kwargs)
+        except StoreError as exc:
+            if start and _is_invalid_range(exc):
+                return  # resumed exactly at the end
+            raise
+        body = resp["Body"]
+        try:
+            while True:
+                try:
+                    chunk = body.read(self.read_chunk)
+                except Exception as exc:
+                    raise self._error(exc, "get", key) from exc
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            body.close()
+
+    def _head(self, key: str) -> ObjectMeta:
+        """HeadObject with checksum mode on; ``crc32c`` is the full-object value or ``None``."""
+        try:
+            resp = self._request("head", key, self._client.head_object, Key=self._full(key),
+                                 ChecksumMode="ENABLED")
+        except NotFoundError as exc:
+            # HEAD responses have no body, so a missing bucket looks like a missing key.
+            self._check_bucket(key, exc)
+            raise
+        return ObjectMeta(
+            key=key,
+            size=int(resp.get("ContentLength", 0)),
+            version=_quoted(resp.get("ETag")),
+            crc32c=_full_crc(resp.get("ChecksumCRC32C"), resp.get("ChecksumType")),
+            last_modified=resp.get("LastModified"),
+        )
+
+    def _check_bucket(self, key: str, original: NotFoundError) -> None:
+        """Once per store: turn a HEAD 404 into 'bucket missing' when that is the cause."""
+        if self._bucket_checked:
+            return
+        try:
+            self._request("head", key, self._client.head_bucket)
+        except NotFoundError as exc:
+            raise NotFoundError(
+                f"bucket {self.bucket!r} does not exist", key=key, location=self.location,
+                operation="head",
+            ) from exc
+        except StoreError:
+            return  # cannot tell (e.g. no ListBucket permission); keep the original error
+        with self._bucket_lock:
+            self._bucket_checked = True
+
+    def _list_page(
+        self, prefix: str, start_after: str | None, limit: int
+    ) -> tuple[list[ObjectMeta], bool]:
+        """ListObjectsV2 with StartAfter/MaxKeys. ``crc32c`` is ``None``: LIST has no values."""
+        kwargs: dict[str, Any] = {"Prefix": self._full(prefix), "MaxKeys": limit}
+        if start_after is not None:
+            kwargs["StartAfter"] = self._full(start_after)
+        resp = self._request("list", prefix, self._client.list_objects_v2, **kwargs)
+        page = [
+            ObjectMeta(
+                key=self._rel(obj["Key"]),
+                size=int(obj.get("Size", 0)),
+                version=_quoted(obj.get("ETag")),
+                crc32c=None,
+                last_modified=obj.get("LastModified"),
+            )
+            for obj in resp.get("Contents", []) or []
+        ]
+        return page, bool(resp.get("IsTruncated"))
+
+    def _list_prefixes(self, prefix: str) -> list[str]:
+        """ListObjectsV2 with Delimiter='/', every page."""
+        found: list[str] = []
+        kwargs: dict[str, Any] = {"Prefix": self._full(prefix), "Delimiter": "/"}
+        while True:
+            resp = self._request("list", prefix, self._client.list_objects_v2, **kwargs)
+            found.extend(self._rel(p["Prefix"]) for p in resp.get("CommonPrefixes", []) or [])
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:
+                return found
+            kwargs["ContinuationToken"] = token
+
+    def _close(self) -> None:
+        close = getattr(self._client, "close", None)
+        if close is not None:
+            close()
+
+
+def _is_invalid_range(exc: StoreError) -> bool:
+    cause = exc.__cause__
+    if isinstance(cause, bexc.ClientError):
+        code, status, _ = _client_error_parts(cause)
+        return code == "InvalidRange" or status == 416
+    return False
+
+
+__all__ = ["S3Store", "S3_MIN_PART_SIZE", "map_s3_error", "multipart_etag"]

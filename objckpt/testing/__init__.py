@@ -1,0 +1,1 @@
+"""Test servers (moto, LocalStack) for objckpt's tests, benchmarks and demo."""

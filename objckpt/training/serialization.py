@@ -1,0 +1,577 @@
+"""State dicts <-> shard bytes, without pickle (invariant 12).
+
+A shard is a small self-describing container::
+
+    b"OBJCKPT\\x00"                 8-byte magic
+    <u64 little-endian>             length of the JSON header
+    <JSON header, UTF-8>            {"format": "objckpt-state", "version": 1,
+                                     "tree": <node>, "arrays": [<entry>, ...], "data_size": N}
+    <zero padding to 64 bytes>
+    <raw array bytes>               each array's bytes, C order, at its 64-byte aligned offset
+
+``tree`` mirrors the nested structure. JSON ``null``/booleans/numbers/strings stand for
+themselves (floats keep their exact value, NaN and infinities included) and a JSON array is a
+Python ``list``; every other node is a one-key object whose key says what it is::
+
+    {"T": [...]}          tuple               {"D": {...}, "meta": {...}}  dict with str keys
+    {"M": [[k, v], ...]}  dict, any keys      {"t": i}  torch tensor i     {"a": i}  numpy array i
+    {"s": i}              numpy scalar i      {"b": "<base64>"}  bytes     {"dt": "bfloat16"}
+    {"dev": "cuda:0"}     torch.device        {"r": i}  TensorRef(i), a tensor stored elsewhere
+
+An array entry is ``{"kind": "torch"|"numpy", "dtype": name, "shape": [...], "offset": o,
+"nbytes": n}``; the bytes are the tensor's memory in C order, so every dtype (bfloat16, float8,
+complex, bool, NaN payloads) round-trips bit for bit.
+
+Writing streams straight from tensor memory: :func:`encode` returns the header and an iterator of
+``memoryview`` s over the tensors (zero-copy for contiguous CPU tensors; a non-contiguous or
+device tensor is copied to contiguous CPU memory one at a time, while it is being sent), so the
+serialized state never exists twice in memory. Reading fills preallocated tensors from a byte
+stream chunk by chunk. Decoding only ever builds containers, numbers, strings, tensors and arrays
+of allow-listed dtypes: nothing from the store can run code. Malformed or hostile input raises
+:class:`SerializationError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import IntegrityError, ObjckptError
+
+try:  # numpy is optional: without it numpy arrays simply cannot appear in a state
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
+
+__all__ = [
+    "EncodedState",
+    "MAGIC",
+    "SerializationError",
+    "TensorRef",
+    "UnsupportedStateError",
+    "decode",
+    "decode_stream",
+    "dumps",
+    "encode",
+    "loads",
+]
+
+MAGIC = b"OBJCKPT\x00"
+FORMAT_NAME = "objckpt-state"
+FORMAT_VERSION = 1
+ALIGN = 64
+#: a header larger than this is refused before it is parsed (hostile input)
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+#: nesting deeper than this is refused (hostile input; real state dicts are a few levels deep)
+MAX_DEPTH = 100
+
+_PREFIX = struct.Struct("<8sQ")
+
+# Only these dtypes may be named by a header: an allow-list, never getattr(torch, <header text>).
+_TORCH_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16",
+    "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8",
+    "uint64", "uint32", "uint16", "uint8", "bool",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+)
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in _TORCH_DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in _TORCH_DTYPES.items()}
+# numpy: plain numeric/bool dtypes with explicit byte order, e.g. "<f4", "|b1", "<u8", "<c16"
+_NUMPY_DTYPE_RE = re.compile(r"^[<>|][biufc](1|2|4|8|16)$")
+
+
+class SerializationError(IntegrityError):
+    """A shard's bytes are not a valid objckpt state container (truncated, malformed, hostile)."""
+
+
+class UnsupportedStateError(ObjckptError, TypeError):
+    """A value in a state dict cannot be written by this format; the message names where it is."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A placeholder for a tensor stored in another shard (index ``i`` of a table the caller
+    keeps); written as ``{"r": i}`` and decoded back to a ``TensorRef``."""
+
+    index: int
+
+
+# ---------------------------------------------------------------------------------- encoding
+
+
+@dataclass
+class _Array:
+    kind: str  # "torch" | "numpy"
+    obj: Any
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    offset: int = 0
+
+
+class EncodedState:
+    """A state dict ready to stream: ``size`` bytes, produced by iterating :meth:`buffers`.
+
+    The buffers alias the tensors' memory; do not modify the tensors until the stream has been
+    consumed. The stream can be produced more than once (a retried upload starts over).
+    """
+
+    def __init__(self, header: bytes, arrays: list[_Array], data_size: int) -> None:
+        self.header = header
+        self.arrays = arrays
+        self.data_size = data_size
+        self.data_start = _align(_PREFIX.size + len(header))
+        self.size = self.data_start + data_size
+
+    def buffers(self) -> Iterator[memoryview]:
+        """Header, padding and every array's bytes, in file order."""
+        yield memoryview(_PREFIX.pack(MAGIC, len(self.header)) + self.header)
+        pos = _PREFIX.size + len(self.header)
+        for arr in self.arrays:
+            start = self.data_start + arr.offset
+            if start > pos:
+                yield memoryview(bytes(start - pos))
+                pos = start
+            if arr.nbytes:
+                yield _bytes_view(arr)
+                pos += arr.nbytes
+        if pos < self.size:
+            yield memoryview(bytes(self.size - pos))
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return self.buffers()
+
+    def to_bytes(self) -> bytes:
+        return b"".join(bytes(b) for b in self.buffers())
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _bytes_view(arr: _Array) -> memoryview:
+    if arr.kind == "torch":
+        t: torch.Tensor = arr.obj
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")  # one tensor at a time, only while it is being sent
+        t = t.resolve_conj().resolve_neg().contiguous()
+        flat = t.reshape(-1).view(torch.uint8)
+        return memoryview(flat.numpy()).cast("B")
+    a = arr.obj
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+    return memoryview(a.reshape(-1).view(np.uint8)).cast("B")
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.arrays: list[_Array] = []
+        self.offset = 0
+        # identity dedup: a tensor object reachable twice (tied weights) is written once; the
+        # object is kept referenced by `arrays`, so its id cannot be reused meanwhile
+        self.seen: dict[int, int] = {}
+
+    def add(self, kind: str, obj: Any, dtype: str, shape: list[int], nbytes: int) -> int:
+        key = id(obj)
+        if key in self.seen:
+            return self.seen[key]
+        self.offset = _align(self.offset)
+        self.arrays.append(_Array(kind, obj, dtype, shape, nbytes, self.offset))
+        self.offset += nbytes
+        self.seen[key] = len(self.arrays) - 1
+        return len(self.arrays) - 1
+
+    def node(self, obj: Any, path: tuple[Any, ...], depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedStateError(f"{_path_str(path)}: nested deeper than {MAX_DEPTH} levels")
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return {"t": self.tensor(obj, path)}
+        if np is not None and isinstance(obj, np.ndarray):
+            return {"a": self.ndarray(obj, path)}
+        if np is not None and isinstance(obj, np.generic):  # before float: np.float64 is a float
+            return {"s": self.ndarray(np.asarray(obj), path)}
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj)
+        if isinstance(obj, list):
+            return [self.node(v, path + (i,), depth + 1) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):  # includes torch.Size and namedtuples (restored as tuples)
+            return {"T": [self.node(v, path + (i,), depth + 1) for i, v in enumerate(obj)]}
+        if isinstance(obj, dict):
+            out: dict[str, Any]
+            if all(isinstance(k, str) for k in obj):
+                out = {"D": {k: self.node(v, path + (k,), depth + 1) for k, v in obj.items()}}
+            else:
+                out = {
+                    "M": [
+                        [self.node(k, path + ("<key>",), depth + 1), self.node(v, path + (k,), depth + 1)]
+                        for k, v in obj.items()
+                    ]
+                }
+            meta = getattr(obj, "_metadata", None)  # nn.Module.state_dict() version info
+            if isinstance(meta, dict):
+                out["meta"] = self.node(dict(meta), path + ("_metadata",), depth + 1)
+            return out
+        if isinstance(obj, (bytes, bytearray)):
+            return {"b": base64.b64encode(bytes(obj)).decode("ascii")}
+        if isinstance(obj, torch.dtype):
+            if obj not in _DTYPE_NAMES:
+                raise UnsupportedStateError(f"{_path_str(path)}: dtype {obj} is not supported")
+            return {"dt": _DTYPE_NAMES[obj]}
+        if isinstance(obj, torch.device):
+            return {"dev": str(obj)}
+        if isinstance(obj, TensorRef):
+            return {"r": int(obj.index)}
+        raise UnsupportedStateError(
+            f"{_path_str(path)}: cannot serialize a {type(obj).__module__}.{type(obj).__qualname__} "
+            "(supported: None, bool, int, float, str, bytes, list, tuple, dict, torch.Tensor, "
+            "numpy arrays and scalars, torch.dtype, torch.device)"
+        )
+
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnsupportedStateError(
+                f"{_path_str(path)}: tensor subclass {type(t).__qualname__} is not supported "
+                "(sharded DTensors go through objckpt.training.dcp)"
+            )
+        if t.layout != torch.strided:
+            raise UnsupportedStateError(f"{_path_str(path)}: {t.layout} tensors are not supported")
+        if t.device.type == "meta":
+            raise UnsupportedStateError(f"{_path_str(path)}: meta tensors have no data to save")
+        name = _DTYPE_NAMES.get(t.dtype)
+        if name is None:
+            raise UnsupportedStateError(f"{_path_str(path)}: dtype {t.dtype} is not supported")
+        return self.add("torch", t, name, list(t.shape), t.numel() * t.element_size())
+
+    def ndarray(self, a: Any, path: tuple[Any, ...]) -> int:
+        dt = a.dtype
+        if dt.byteorder == "=":
+            dt = dt.newbyteorder("<" if struct.pack("=H", 1) == b"\x01\x00" else ">")
+        if not _NUMPY_DTYPE_RE.match(dt.str) or dt.hasobject:
+            raise UnsupportedStateError(f"{_path_str(path)}: numpy dtype {a.dtype} is not supported")
+        return self.add("numpy", a, dt.str, list(a.shape), int(a.nbytes))
+
+
+def encode(obj: Any) -> EncodedState:
+    """Describe ``obj`` for streaming; no tensor bytes are copied here.
+
+    Raises:
+        UnsupportedStateError: ``obj`` contains a value the format cannot represent (the message
+            names its path, e.g. ``state['optimizer']['param_groups'][0]['foo']``).
+    """
+    enc = _Encoder()
+    tree = enc.node(obj, (), 0)
+    entries = [
+        {"kind": a.kind, "dtype": a.dtype, "shape": a.shape, "offset": a.offset, "nbytes": a.nbytes}
+        for a in enc.arrays
+    ]
+    data_size = _align(enc.offset) if enc.arrays else 0
+    header = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "tree": tree,
+        "arrays": entries,
+        "data_size": data_size,
+    }
+    raw = json.dumps(header, separators=(",", ":"), allow_nan=True).encode("utf-8")
+    return EncodedState(raw, enc.arrays, data_size)
+
+
+def dumps(obj: Any) -> bytes:
+    """``encode(obj)`` as one bytes object (small states, tests)."""
+    return encode(obj).to_bytes()
+
+
+# ---------------------------------------------------------------------------------- decoding
+
+
+def _fail(msg: str) -> SerializationError:
+    return SerializationError(f"invalid objckpt state shard: {msg}")
+
+
+def _parse_prefix(prefix: bytes, total_size: int | None) -> int:
+    magic, header_len = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        hint = " (looks like a pickle / torch.save file, which objckpt never loads)" if (
+            magic[:1] == b"\x80" or magic[:2] == b"PK"
+        ) else ""
+        raise _fail(f"bad magic {magic!r}{hint}")
+    if header_len > MAX_HEADER_BYTES or (
+        total_size is not None and _PREFIX.size + header_len > total_size
+    ):
+        raise _fail(f"header length {header_len} exceeds the shard")
+    return header_len
+
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _fail(f"header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _fail("header is not a JSON object")
+    if header.get("format") != FORMAT_NAME:
+        raise _fail(f"unknown format {header.get('format')!r}")
+    if header.get("version") != FORMAT_VERSION:
+        raise _fail(f"unsupported format version {header.get('version')!r} (this objckpt reads {FORMAT_VERSION})")
+    for field in ("tree", "arrays", "data_size"):
+        if field not in header:
+            raise _fail(f"header lacks {field!r}")
+    return header
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _alloc_arrays(entries: Any, data_size: Any) -> list[Any]:
+    """Validate the array table and allocate (uninitialised) destination arrays."""
+    if not isinstance(entries, list) or not _is_int(data_size) or data_size < 0:
+        raise _fail("bad array table")
+    out: list[Any] = []
+    end = 0
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise _fail(f"array {i}: entry is not an object")
+        kind, dtype, shape = e.get("kind"), e.get("dtype"), e.get("shape")
+        offset, nbytes = e.get("offset"), e.get("nbytes")
+        if not (_is_int(offset) and _is_int(nbytes) and offset >= end and nbytes >= 0):
+            raise _fail(f"array {i}: bad or overlapping offset/nbytes ({offset!r}, {nbytes!r})")
+        if offset % ALIGN or offset + nbytes > data_size:
+            raise _fail(f"array {i}: bytes [{offset}, {offset}+{nbytes}) lie outside the data")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape) or len(shape) > 64:
+            raise _fail(f"array {i}: bad shape {shape!r}")
+        numel = math.prod(shape)
+        if kind == "torch":
+            if dtype not in _TORCH_DTYPES:
+                raise _fail(f"array {i}: dtype {dtype!r} is not allowed")
+            td = _TORCH_DTYPES[dtype]
+            itemsize = torch.empty((), dtype=td).element_size()
+            if numel * itemsize != nbytes:
+                raise _fail(f"array {i}: {nbytes} bytes do not fit shape {shape} of {dtype}")
+            out.append(torch.empty(shape, dtype=td))
+        elif kind == "numpy":
+            if np is None:
+                raise _fail(f"array {i}: numpy arrays need numpy installed")
+            if not isinstance(dtype, str) or not _NUMPY_DTYPE_RE.match(dtype):
+                raise _fail(f"array {i}: numpy dtype {dtype!r} is not allowed")
+            nd = np.dtype(dtype)
+            if numel * nd.itemsize != nbytes:
+                raise _fail(f"array {i}: {nbytes} bytes do not fit shape {shape} of {dtype}")
+            out.append(np.empty(shape, dtype=nd))
+        else:
+            raise _fail(f"array {i}: unknown kind {kind!r}")
+        end = offset + nbytes
+    return out
+
+
+def _dest_view(arr: Any) -> memoryview:
+    if isinstance(arr, torch.Tensor):
+        return memoryview(arr.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(arr.reshape(-1).view(np.uint8)).cast("B")
+
+
+class _Decoder:
+    def __init__(self, arrays: list[Any]) -> None:
+        self.arrays = arrays
+
+    def _index(self, v: Any, what: str) -> Any:
+        if not _is_int(v) or not 0 <= v < len(self.arrays):
+            raise _fail(f"{what} index {v!r} out of range")
+        return self.arrays[v]
+
+    def node(self, n: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise _fail(f"nesting deeper than {MAX_DEPTH} levels")
+        if n is None or isinstance(n, (bool, int, float, str)):
+            return n
+        if isinstance(n, list):
+            return [self.node(v, depth + 1) for v in n]
+        if not isinstance(n, dict) or not n:
+            raise _fail(f"unexpected node {str(n)[:80]!r}")
+        extra = set(n) - {"D", "M", "meta"}
+        if "D" in n or "M" in n:
+            if extra or ("D" in n and "M" in n):
+                raise _fail(f"unexpected keys {sorted(n)} in a dict node")
+            if "D" in n:
+                body = n["D"]
+                if not isinstance(body, dict):
+                    raise _fail("'D' node is not an object")
+                out: dict[Any, Any] = OrderedDict((k, self.node(v, depth + 1)) for k, v in body.items())
+            else:
+                body = n["M"]
+                if not isinstance(body, list) or not all(isinstance(p, list) and len(p) == 2 for p in body):
+                    raise _fail("'M' node is not a list of pairs")
+                out = OrderedDict()
+                for k, v in body:
+                    key = self.node(k, depth + 1)
+                    try:
+                        hash(key)
+                    except TypeError:
+                        raise _fail(f"unhashable dict key {str(k)[:80]!r}") from None
+                    out[key] = self.node(v, depth + 1)
+            if "meta" in n:
+                meta = self.node(n["meta"], depth + 1)
+                if not isinstance(meta, dict):
+                    raise _fail("'meta' is not a dict")
+                out._metadata = meta  # type: ignore[attr-defined]
+            else:
+                out = dict(out)
+            return out
+        if len(n) != 1:
+            raise _fail(f"unexpected keys {sorted(n)[:5]} in a node")
+        (tag, v), = n.items()
+        if tag == "T":
+            if not isinstance(v, list):
+                raise _fail("'T' node is not a list")
+            return tuple(self.node(x, depth + 1) for x in v)
+        if tag in ("t", "a"):
+            arr = self._index(v, "array")
+            want = torch.Tensor if tag == "t" else (np.ndarray if np is not None else ())
+            if not isinstance(arr, want):
+                raise _fail(f"node {tag!r} refers to array {v} of the wrong kind")
+            return arr
+        if tag == "s":
+            arr = self._index(v, "scalar")
+            if np is None or not isinstance(arr, np.ndarray) or arr.ndim != 0:
+                raise _fail(f"scalar node refers to array {v}, not a 0-d numpy array")
+            return arr[()]
+        if tag == "b":
+            if not isinstance(v, str):
+                raise _fail("'b' node is not a string")
+            try:
+                return base64.b64decode(v, validate=True)
+            except ValueError:
+                raise _fail("'b' node is not base64") from None
+        if tag == "dt":
+            if v not in _TORCH_DTYPES:
+                raise _fail(f"dtype {v!r} is not allowed")
+            return _TORCH_DTYPES[v]
+        if tag == "dev":
+            if not isinstance(v, str) or not re.fullmatch(r"[a-z_]+(:\d+)?", v):
+                raise _fail(f"bad device {v!r}")
+            try:
+                return torch.device(v)
+            except RuntimeError:
+                raise _fail(f"bad device {v!r}") from None
+        if tag == "r":
+            if not _is_int(v) or v < 0:
+                raise _fail(f"bad tensor reference {v!r}")
+            return TensorRef(v)
+        raise _fail(f"unknown node tag {tag!r}")
+
+
+def decode_stream(chunks: Iterable[bytes], *, total_size: int | None = None) -> Any:
+    """Rebuild the object from a stream of byte chunks (e.g. ``Reader.open_shard(receipt)``).
+
+    The header is parsed first, every tensor is allocated, and then the array bytes are copied
+    from each chunk straight into place. The stream is consumed to its end, so a verifying
+    stream raises its checksum error before anything is returned.
+
+    Raises:
+        SerializationError: truncated, trailing or malformed bytes, or a header naming anything
+            outside the allow-list.
+        ChecksumMismatchError: from the stream itself.
+    """
+    it = iter(chunks)
+    buf = bytearray()
+    pending: memoryview = memoryview(b"")
+
+    def take(n: int) -> bytes:
+        # read exactly n header bytes from the stream (the header is small)
+        nonlocal pending
+        while len(buf) < n:
+            if pending.nbytes:
+                need = n - len(buf)
+                buf.extend(pending[:need])
+                pending = pending[need:]
+                continue
+            chunk = next(it, None)
+            if chunk is None:
+                raise _fail(f"truncated: ended after {len(buf)} bytes, needed {n}")
+            pending = memoryview(chunk).cast("B")
+        out = bytes(buf[:n])
+        del buf[:n]
+        return out
+
+    header_len = _parse_prefix(take(_PREFIX.size), total_size)
+    header = _parse_header(take(header_len))
+    pos = _PREFIX.size + header_len
+    arrays = _alloc_arrays(header["arrays"], header["data_size"])
+    data_start = _align(pos)
+    expected = data_start + header["data_size"]
+    if total_size is not None and expected != total_size:
+        raise _fail(f"header describes {expected} bytes but the shard has {total_size}")
+    tree = _Decoder(arrays).node(header["tree"], 0)
+
+    # Fill the arrays from the rest of the stream. `pos` is the absolute offset of `pending[0]`.
+    targets = [
+        (data_start + e["offset"], e["nbytes"], arrays[i])
+        for i, e in enumerate(header["arrays"])
+        if e["nbytes"]
+    ]
+    ti = 0
+    filled = 0  # bytes of targets[ti] already written
+    views: dict[int, memoryview] = {}
+
+    def feed(view: memoryview) -> None:
+        nonlocal pos, ti, filled
+        while view.nbytes:
+            if ti < len(targets):
+                start, nbytes, arr = targets[ti]
+                cur = start + filled
+                if pos < cur:  # padding before the array
+                    skip = min(cur - pos, view.nbytes)
+                    view, pos = view[skip:], pos + skip
+                    continue
+                dest = views.get(ti)
+                if dest is None:
+                    dest = views[ti] = _dest_view(arr)
+                n = min(nbytes - filled, view.nbytes)
+                dest[filled : filled + n] = view[:n]
+                view, pos, filled = view[n:], pos + n, filled + n
+                if filled == nbytes:
+                    views.pop(ti, None)
+                    ti, filled = ti + 1, 0
+            else:  # trailing padding
+                if pos + view.nbytes > expected:
+                    raise _fail(f"{pos + view.nbytes - expected} unexpected trailing bytes")
+                pos += view.nbytes
+                return
+
+    feed(pending)
+    for chunk in it:
+        feed(memoryview(chunk).cast("B"))
+    if ti < len(targets) or pos != expected:
+        raise _fail(f"truncated: ended at byte {pos} of {expected}")
+    return tree
+
+
+def decode(data: bytes | bytearray | memoryview) -> Any:
+    """Rebuild the object from a whole shard held in memory (see :func:`decode_stream`)."""
+    view = memoryview(data).cast("B")
+    return decode_stream([view], total_size=view.nbytes)
+
+
+loads = decode

@@ -1,0 +1,147 @@
+"""Per-rank shard writing (invariants 1-4).
+
+Each rank of a save writes its shards with one :class:`ShardWriter` under its own prefix of the
+attempt, ``data/<step>-<attempt>/<rank>/<name>``, create-if-absent: a shard is never
+overwritten, and a retried save is a new attempt with new keys. Large shards stream through the
+store's bounded multipart upload (peak memory ``part_size x (max_in_flight + 1)``, a CRC32C on
+every part, abort on failure, transient errors retried by the store's one retry policy).
+Each write returns a :class:`~objckpt.manifest.ShardReceipt` for the coordinator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator
+
+from . import layout
+from ._crc import Crc32c
+from .errors import ChecksumMismatchError, NotSupportedError
+from .manifest import ShardReceipt
+from .store.base import BytesSource, PutMode, Store, iter_parts
+
+__all__ = ["ShardWriter"]
+
+
+class ShardWriter:
+    """Writes one rank's shards for one attempt of one step. Thread-safe.
+
+    Args:
+        store: the run root's store; must enforce create-if-absent.
+        step, attempt, rank: where the shards go (``layout.rank_prefix``).
+        part_size, max_in_flight: override the store's multipart settings for these shards.
+        sha256: also compute each shard's SHA-256 while streaming (costs CPU; off by default).
+
+    Raises:
+        NotSupportedError: the store cannot enforce create-if-absent (shards could be
+            silently overwritten by a zombie writer, so objckpt refuses to write).
+        ValueError: invalid step / attempt id / rank.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        step: int,
+        attempt: str,
+        rank: int,
+        part_size: int | None = None,
+        max_in_flight: int | None = None,
+        sha256: bool = False,
+    ) -> None:
+        if not store.capabilities.create_if_absent:
+            raise NotSupportedError(
+                "objckpt needs create-if-absent writes to guarantee shards are never "
+                "overwritten; this store does not enforce them",
+                location=store.location,
+            )
+        if part_size is not None and part_size < 1:
+            raise ValueError(f"part_size must be positive, got {part_size}")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.store = store
+        self.step = step
+        self.attempt = attempt
+        self.rank = rank
+        self.prefix = layout.rank_prefix(step, attempt, rank)  # validates all three
+        self.part_size = part_size
+        self.max_in_flight = max_in_flight
+        self.sha256 = sha256
+        self._receipts: list[ShardReceipt] = []
+        self._lock = threading.Lock()
+
+    def key_for(self, name: str) -> str:
+        """The key shard ``name`` gets (``ValueError`` for a name that is not portable)."""
+        return layout.shard_key(self.step, self.attempt, self.rank, name)
+
+    def write(
+        self,
+        name: str,
+        source: BytesSource,
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> ShardReceipt:
+        """Stream ``source`` (bytes, an iterable of buffers, or a binary file) into shard ``name``.
+
+        Atomicity: the shard appears whole or not at all; it is created only if absent, so an
+        existing object is never replaced. On failure a multipart upload is aborted and the
+        error re-raised; nothing is recorded in :attr:`receipts`.
+
+        Raises:
+            AlreadyExistsError: the key exists (same name twice, or a reused attempt id).
+            ChecksumMismatchError: the store reports a size/CRC32C other than what was sent.
+            PermissionDeniedError, NotFoundError, ...: permanent store errors, at once.
+            TransientError: the retry policy's attempts/deadline ran out.
+            ValueError: ``name`` is not a valid shard name.
+        """
+        key = self.key_for(name)
+        part_size = self.part_size or self.store.part_size
+        crc = Crc32c()
+        digest = hashlib.sha256() if self.sha256 else None
+        counted = [0]
+
+        def parts() -> Iterator[memoryview]:
+            # Checksum each part as it goes by, without buffering more than the store does:
+            # iter_parts is zero-copy for parts that lie inside one source buffer.
+            for part in iter_parts(source, part_size):
+                crc.update(part)
+                if digest is not None:
+                    digest.update(part)
+                counted[0] += 1
+                yield part
+
+        meta = self.store.put_stream(
+            key,
+            parts(),
+            mode=PutMode.CREATE,  # invariant 1: never overwrite a shard
+            part_size=part_size,
+            max_in_flight=self.max_in_flight,
+            progress=progress,
+        )
+        # End-to-end check: what the store says it stored is what we streamed.
+        if meta.size != crc.size or (meta.crc32c is not None and meta.crc32c != crc.b64):
+            raise ChecksumMismatchError(
+                f"store reports size {meta.size} / CRC32C {meta.crc32c} for a shard streamed as "
+                f"{crc.size} bytes / {crc.b64}",
+                key=key,
+                location=self.store.location,
+            )
+        receipt = ShardReceipt(
+            key=key,
+            size=crc.size,
+            version=meta.version,
+            crc32c=crc.b64,
+            rank=self.rank,
+            name=name,
+            parts=max(1, counted[0]),
+            sha256=digest.hexdigest() if digest is not None else None,
+        )
+        with self._lock:
+            self._receipts.append(receipt)
+        return receipt
+
+    @property
+    def receipts(self) -> list[ShardReceipt]:
+        """Receipts of every shard written so far, in write order (a copy)."""
+        with self._lock:
+            return list(self._receipts)

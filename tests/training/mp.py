@@ -1,0 +1,62 @@
+"""Launch a small gloo world of spawned processes for a test, bounded by a timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 2 shared cores: keep each rank single-threaded
+    os.environ["OBJCKPT_TEST_RANK"] = str(rank)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)  # skip destroy_process_group: peers may be gone
+    dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[int | None]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one gloo
+    group; return their exit codes (negative: killed by that signal). Processes still running
+    after ``timeout`` seconds are killed and the test fails."""
+    import time
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join(5)
+    if hung:
+        raise AssertionError(f"ranks {hung} still running after {timeout}s: killed")
+    return [p.exitcode for p in procs]

@@ -1,0 +1,255 @@
+"""Rank functions for the multi-process tests (imported by spawned processes: keep it light)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from objckpt.errors import ObjckptError
+from objckpt.store import open_store
+from objckpt.store.wrappers import CountingStore
+from objckpt.training.manager import CheckpointManager
+from objckpt.training.sampler import ResumableDistributedSampler
+from objckpt.training.serialization import dumps
+from objckpt.training.state import TrainingProgress
+
+N_SAMPLES = 128
+DIM = 6
+MICRO = 4
+ACCUM = 2
+
+
+class Synthetic(Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(N_SAMPLES, DIM, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True).sin()
+
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+def build(rank: int, world_size: int) -> dict[str, Any]:
+    """Model, optimizer, scheduler, scaler, sampler, progress and a NumPy generator."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
+    )
+    ddp = DDP(model) if world_size > 1 else model
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    sampler = ResumableDistributedSampler(N_SAMPLES, num_replicas=world_size, rank=rank, seed=7)
+    return {
+        "model": ddp,
+        "optimizer": opt,
+        "scheduler": sched,
+        "scaler": scaler,
+        "sampler": sampler,
+        "progress": TrainingProgress(),
+        "noise": np.random.default_rng(100 + rank),
+    }
+
+
+def seed_rank(rank: int) -> None:
+    random.seed(10 + rank)
+    np.random.seed(20 + rank)
+    torch.manual_seed(30 + rank)  # dropout differs per rank, as in real jobs
+
+
+def train(
+    mgr: CheckpointManager,
+    state: dict[str, Any],
+    total: int,
+    *,
+    crash_at: int | None = None,
+    on_step: Any = None,
+) -> list[list[int]]:
+    """Train to ``total`` optimizer steps from wherever ``state`` is; return per-step sample ids."""
+    ds = Synthetic()
+    model, opt, sched = state["model"], state["optimizer"], state["scheduler"]
+    sampler, progress, noise = state["sampler"], state["progress"], state["noise"]
+    order: list[list[int]] = []
+    current: list[int] = []
+    while progress.global_step < total:
+        sampler.set_epoch(progress.epoch)
+        # its own generator: DataLoader draws a seed per iterator from it, not from the global RNG
+        loader = DataLoader(ds, batch_size=MICRO, sampler=sampler, generator=torch.Generator())
+        for x, y, idx in loader:
+            current.extend(idx.tolist())
+            # every RNG stream takes part: Python, NumPy legacy, a NumPy Generator, torch (dropout)
+            x = x * (1.0 + 0.01 * random.random()) + torch.from_numpy(
+                0.01 * np.random.randn(*x.shape) + 0.01 * noise.standard_normal(x.shape)
+            ).float()
+            sync = progress.accumulation_step == ACCUM - 1
+            ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else _null()
+            with ctx:
+                loss = torch.nn.functional.mse_loss(model(x), y) / ACCUM
+                loss.backward()
+            progress.samples_seen += len(idx)
+            progress.accumulation_step += 1
+            if progress.accumulation_step == ACCUM:
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                progress.accumulation_step = 0
+                progress.global_step += 1
+                order.append(current)
+                current = []
+                mgr.save(progress.global_step, state)
+                if on_step is not None:
+                    on_step(progress.global_step)
+                if crash_at is not None and progress.global_step == crash_at:
+                    os._exit(1)
+                if progress.global_step >= total:
+                    break
+        else:
+            progress.epoch += 1
+    return order
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """Final parameters, optimizer/scheduler/sampler/progress state and the next RNG draws."""
+    model = state["model"].module if hasattr(state["model"], "module") else state["model"]
+    return {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": state["optimizer"].state_dict(),
+        "scheduler": state["scheduler"].state_dict(),
+        "sampler": state["sampler"].state_dict(),
+        "progress": state["progress"].state_dict(),
+        "next_python": random.random(),
+        "next_numpy": np.random.rand(3),
+        "next_generator": state["noise"].standard_normal(3),
+        "next_torch": torch.rand(3),
+    }
+
+
+# ---------------------------------------------------------------------------------- scenarios
+
+
+def resume_run(rank: int, world_size: int, root: str, out: str, total: int, every: int, crash_at: int | None) -> None:
+    """Train to ``total`` (restoring first); optionally crash the whole job at ``crash_at``."""
+    seed_rank(rank)
+    state = build(rank, world_size)
+    mgr = CheckpointManager(root, every=every, keep_last=3, timeout=60, handshake_timeout=60)
+    restored = mgr.restore(state)
+    order = train(mgr, state, total, crash_at=crash_at)
+    result = {"restored": restored, "order": order, **snapshot(state)}
+    Path(out, f"rank{rank}.bin").write_bytes(dumps(result))
+    mgr.close()
+
+
+class KillingStore(CountingStore):
+    """SIGKILLs this process when it uploads a part of ``victim`` (a key substring)."""
+
+    def __init__(self, inner: Any, victim: str) -> None:
+        super().__init__(inner)
+        self.victim = victim
+
+    def _invoke(self, op: str, key: str, keys: Any, fn: Any, *args: Any) -> Any:
+        if op == "upload_part" and self.victim in key and args[1] >= 2:  # args: handle, part_number, ...
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super()._invoke(op, key, keys, fn, *args)
+
+
+def killed_during_upload(rank: int, world_size: int, root: str, out: str) -> None:
+    """Checkpoints at 10 and 20; at 30 rank 1 is SIGKILLed in the middle of a multipart upload."""
+    seed_rank(rank)
+    state = build(rank, world_size)
+    # 256-byte parts: every replicated shard goes through a multipart upload
+    store = open_store(root, part_size=256)
+    if rank == 1:
+        store = KillingStore(store, "00000000000000000030-")
+    mgr = CheckpointManager(store, every=10, timeout=30, handshake_timeout=30)
+    try:
+        train(mgr, state, 30)
+        outcome = "no error"
+    except ObjckptError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"outcome": outcome}))
+    os._exit(0)  # the peer is dead: skip the process-group teardown
+
+
+def restore_only(rank: int, world_size: int, root: str, out: str, step: int | None = None) -> None:
+    seed_rank(rank)
+    state = build(rank, world_size)
+    mgr = CheckpointManager(root, timeout=30, handshake_timeout=30)
+    try:
+        restored = mgr.restore(state, step=step)
+        outcome = {"restored": restored, "fallbacks": mgr.fallbacks}
+    except ObjckptError as exc:
+        outcome = {"error": f"{type(exc).__name__}: {exc}"}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(outcome))
+    mgr.close()
+
+
+def rank0_only_save(rank: int, world_size: int, root: str, out: str) -> None:
+    """Rank 0 calls save() alone (the `if rank == 0: save()` bug); rank 1 stays alive."""
+    state = build(rank, world_size)
+    mgr = CheckpointManager(root, timeout=5, handshake_timeout=3)
+    outcome = "returned"
+    if rank == 0:
+        try:
+            mgr.save(1, state)
+        except ObjckptError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        Path(out, "rank0.json").write_text(json.dumps({"outcome": outcome}))
+    # meet on the default group (not the checkpoint groups): rank 1 waits here meanwhile
+    dist.barrier()
+
+
+def setup_two_checkpoints(rank: int, world_size: int, root: str, out: str) -> None:
+    seed_rank(rank)
+    state = build(rank, world_size)
+    mgr = CheckpointManager(root, every=10, timeout=30, handshake_timeout=30)
+    train(mgr, state, 20)
+    mgr.close()
+
+
+def disagree(rank: int, world_size: int, root: str, other_root: str, out: str) -> None:
+    """Ranks ask for different steps, then read different roots, then restore normally."""
+    results: dict[str, Any] = {}
+    state = build(rank, world_size)
+    mgr = CheckpointManager(root, timeout=30, handshake_timeout=30)
+    try:
+        mgr.restore(state, step=10 if rank == 0 else 20)
+        results["different_steps"] = "no error"
+    except ObjckptError as exc:
+        results["different_steps"] = f"{type(exc).__name__}: {exc}"
+    odd = CheckpointManager(root if rank == 0 else other_root, timeout=30, handshake_timeout=30)
+    try:
+        odd.restore(state)
+        results["different_roots"] = "no error"
+    except ObjckptError as exc:
+        results["different_roots"] = f"{type(exc).__name__}: {exc}"
+    # the newest checkpoint's rank-1 shard is corrupt: all ranks fall back to step 10 together
+    try:
+        results["restored"] = mgr.restore(state)
+        results["fallbacks"] = mgr.fallbacks
+        results["global_step"] = state["progress"].global_step
+    except ObjckptError as exc:
+        results["restored"] = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    mgr.close()
+    odd.close()
