@@ -5,6 +5,7 @@ off), so a request is retried by exactly one layer and the deadline means what i
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -32,6 +33,10 @@ class RetryPolicy:
     max_attempts: int = 10
     initial_backoff: float = 0.1
     max_backoff: float = 5.0
+
+    def backoff(self, attempt: int) -> float:
+        """A full-jitter wait before retry number ``attempt`` (1-based)."""
+        return random.uniform(0, min(self.max_backoff, self.initial_backoff * 2 ** (attempt - 1)))
 
     def call(
         self,

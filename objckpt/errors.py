@@ -13,6 +13,7 @@ Store errors also derive from the matching built-in, so code written against fss
     │   ├── PreconditionFailedError                compare-and-swap lost: the version moved
     │   ├── PermissionDeniedError (PermissionError)
     │   ├── NotSupportedError (NotImplementedError) the backend cannot honour this mode
+    │   ├── InvalidKeyError (ValueError)          a key that could escape the store root
     │   └── TransientError                         throttling, 5xx, timeouts, resets: the ONLY
     │                                              error a retry policy retries
     ├── IntegrityError                       bytes or metadata are not what was promised
@@ -38,6 +39,7 @@ __all__ = [
     "ConfigError",
     "DistributedError",
     "IntegrityError",
+    "InvalidKeyError",
     "ManifestError",
     "NoCheckpointError",
     "NotFoundError",
@@ -108,6 +110,10 @@ class NotSupportedError(StoreError, NotImplementedError):
     """The backend cannot honour the requested mode; it never silently degrades."""
 
 
+class InvalidKeyError(StoreError, ValueError):
+    """A key that cannot name an object below the root (absolute, ``..``, empty segment, ...)."""
+
+
 class TransientError(StoreError):
     """Throttling, server errors, timeouts and connection resets: safe to retry."""
 
@@ -122,6 +128,8 @@ class ChecksumMismatchError(IntegrityError):
     def __init__(self, message: str, *, key: str = "", location: str = "") -> None:
         self.key = key
         self.location = location
+        if key or location:
+            message = f"{message} [{location.rstrip('/') + '/' if location else ''}{key}]"
         super().__init__(message)
 
 

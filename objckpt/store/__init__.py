@@ -69,6 +69,8 @@ def parse_uri(uri: str) -> ParsedURI:
         path = unquote(split.path)
         if not path.startswith("/"):
             raise ConfigError(f"file:// URI needs an absolute path: {uri!r}")
+        if any(seg in ("..", ".") for seg in path.split("/")):
+            raise ConfigError(f"'.' and '..' are not allowed in a run root: {uri!r}")
         return ParsedURI(scheme, "", path.rstrip("/") or "/", options, uri)
     bucket = split.netloc
     if scheme in ("s3", "gs"):
@@ -99,22 +101,34 @@ def parse_size(value: str | int) -> int:
 
 
 def common_store_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    """Pop the options every backend shares and turn them into ``Store.__init__`` kwargs."""
+    """Pop the options every backend shares and turn them into ``Store.__init__`` kwargs.
+
+    Raises:
+        ConfigError: a value of the wrong type (``max_in_flight=many``).
+    """
     kwargs: dict[str, Any] = {}
+
+    def number(name: str, convert: Any) -> Any:
+        raw = options.pop(name)
+        try:
+            return convert(raw)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"option {name}={raw!r} is not a valid {convert.__name__}") from exc
+
     if "part_size" in options:
         kwargs["part_size"] = parse_size(options.pop("part_size"))
     if "max_in_flight" in options:
-        kwargs["max_in_flight"] = int(options.pop("max_in_flight"))
+        kwargs["max_in_flight"] = number("max_in_flight", int)
     retry = options.pop("retry", None)
-    deadline = options.pop("deadline", None)
-    attempts = options.pop("max_attempts", None)
+    deadline = number("deadline", float) if "deadline" in options else None
+    attempts = number("max_attempts", int) if "max_attempts" in options else None
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise ConfigError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
     if deadline is not None or attempts is not None:
         base = retry or RetryPolicy()
         retry = RetryPolicy(
-            deadline=float(deadline) if deadline is not None else base.deadline,
-            max_attempts=int(attempts) if attempts is not None else base.max_attempts,
+            deadline=deadline if deadline is not None else base.deadline,
+            max_attempts=attempts if attempts is not None else base.max_attempts,
             initial_backoff=base.initial_backoff,
             max_backoff=base.max_backoff,
         )

@@ -19,6 +19,7 @@ cannot honour raises :class:`NotSupportedError`; it never degrades to check-then
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -363,6 +364,7 @@ class Store(ABC):
         crc = Crc32c()
         retries = 0
         while True:
+            resumed_at = crc.size
             try:
                 for chunk in self._open(key, crc.size):
                     crc.update(chunk)
@@ -374,10 +376,13 @@ class Store(ABC):
                     yield chunk
                 break
             except TransientError as exc:
-                retries += 1
+                # A resume that made progress earns a fresh budget: a long download may meet
+                # several unrelated resets. One that made none counts against the policy.
+                retries = 1 if crc.size > resumed_at else retries + 1
                 if retries >= self.retry.max_attempts:
                     raise
                 self._notify_retry(exc, retries)
+                time.sleep(self.retry.backoff(retries))
         if expected_size is not None and crc.size != expected_size:
             raise ChecksumMismatchError(
                 f"size mismatch: read {crc.size} bytes, receipt says {expected_size}",

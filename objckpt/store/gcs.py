@@ -66,6 +66,7 @@ from .._crc import crc32c_b64
 from ..errors import (
     AlreadyExistsError,
     ConfigError,
+    InvalidKeyError,
     NotFoundError,
     PermissionDeniedError,
     PreconditionFailedError,
@@ -346,7 +347,7 @@ class GCSStore(Store):
 
     def _check_key(self, key: str, operation: str) -> None:
         if key.startswith(PRIVATE):
-            raise StoreError(
+            raise InvalidKeyError(
                 f"keys under {PRIVATE!r} are reserved for objckpt's temporary upload parts",
                 key=key, location=self.location, operation=operation,
             )
@@ -361,7 +362,10 @@ class GCSStore(Store):
 
     def _bucket_missing(self, exc: BaseException, operation: str) -> bool:
         """Whether a 404 is about the bucket rather than the object."""
-        if "bucket" in _server_message(exc).lower():  # GCS: "The specified bucket does not exist."
+        message = _server_message(exc).lower()
+        # GCS: "The specified bucket does not exist." (an object's 404, "No such object:
+        # <bucket>/<name>", may contain the word bucket in the names)
+        if "bucket does not exist" in message or "bucket not found" in message:
             return True
         if operation in ("put", "list", "list_prefixes", "create_upload", "list_uploads", "upload_part"):
             return True  # these address the bucket only

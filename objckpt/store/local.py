@@ -73,6 +73,7 @@ from ..errors import (
     AlreadyExistsError,
     ChecksumMismatchError,
     ConfigError,
+    InvalidKeyError,
     NotFoundError,
     NotSupportedError,
     PermissionDeniedError,
@@ -123,10 +124,6 @@ def _unique_ns() -> int:
 
 def _token(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
-
-
-class InvalidKeyError(StoreError, ValueError):
-    """A key that cannot name an object below the root (absolute, ``..``, empty segment, ...)."""
 
 
 class LocalStore(Store):

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from ..errors import AlreadyExistsError, NotFoundError, PreconditionFailedError
+from .._crc import crc32c_b64
+from ..errors import AlreadyExistsError, ChecksumMismatchError, NotFoundError, PreconditionFailedError
 from .base import (
     DEFAULT_READ_CHUNK,
     ObjectMeta,
@@ -76,7 +77,17 @@ class MemoryStore(Store):
             self._objects[key] = _Object(data, meta)
             return meta
 
+    def _verify(self, key: str, data: memoryview, crc32c: str) -> None:
+        # Behave like S3/GCS: the server rejects a body whose CRC32C is not the one announced.
+        actual = crc32c_b64(data)
+        if actual != crc32c:
+            raise ChecksumMismatchError(
+                f"CRC32C mismatch on upload: body has {actual}, request says {crc32c}",
+                key=key, location=self.location,
+            )
+
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
+        self._verify(key, data, crc32c)
         return self._commit(key, bytes(data), mode, crc32c)
 
     def _create_upload(self, key: str, mode: PutMode) -> UploadHandle:
@@ -88,6 +99,7 @@ class MemoryStore(Store):
     def _upload_part(
         self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
     ) -> PartResult:
+        self._verify(handle.key, data, crc32c)
         with self._lock:
             entry = self._uploads.get(handle.upload_id)
             if entry is None:

@@ -305,7 +305,8 @@ class LocalStackServer(_ServerProcess):
 
     Runs ``python -m localstack.runtime.main`` with ``GATEWAY_LISTEN=127.0.0.1:<port>``,
     ``GATEWAY_SERVER=hypercorn``, ``SERVICES=s3``; its filesystem root (state, temp files) and
-    config dir live under ``build/localstack-run/<port>/``, with its log, left for inspection. No DNS server, no
+    config dir live under ``build/localstack-run/<port>/`` and are deleted on stop; the log
+    (``localstack.log`` there) is kept for inspection. No DNS server, no
     analytics, no downloads.
 
     Args:
@@ -357,6 +358,16 @@ class LocalStackServer(_ServerProcess):
     def _command(self) -> list[str]:
         return [str(self.python), "-m", "localstack.runtime.main"]
 
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop LocalStack and delete its state (objects can be large); the log stays."""
+        super().stop(timeout)
+        work_dir = getattr(self, "work_dir", None)
+        if work_dir is not None:
+            import shutil
+
+            for sub in ("fs", "config"):
+                shutil.rmtree(work_dir / sub, ignore_errors=True)
+
     def _env(self) -> dict[str, str]:
         listen = f"{self.host}:{self.port}"
         return child_env({
@@ -366,6 +377,9 @@ class LocalStackServer(_ServerProcess):
             "LOCALSTACK_HOST": listen,
             "SERVICES": "s3",
             "EAGER_SERVICE_LOADING": "1",  # load S3 at startup, not on the first request
+            # This machine may itself be a container, which LocalStack would take as "running in
+            # its Docker image" and then use /var/lib/localstack, /etc/localstack, /tmp/localstack.
+            "OVERRIDE_IN_DOCKER": "0",
             "FILESYSTEM_ROOT": str(self.work_dir / "fs"),
             "CONFIG_DIR": str(self.work_dir / "config"),
             "PERSISTENCE": "0",

@@ -523,7 +523,6 @@ def decode_stream(chunks: Iterable[bytes], *, total_size: int | None = None) -> 
     expected = data_start + header["data_size"]
     if total_size is not None and expected != total_size:
         raise _fail(f"header describes {expected} bytes but the shard has {total_size}")
-    tree = _Decoder(arrays).node(header["tree"], 0)
 
     # Fill the arrays from the rest of the stream. `pos` is the absolute offset of `pending[0]`.
     targets = [
@@ -565,7 +564,8 @@ def decode_stream(chunks: Iterable[bytes], *, total_size: int | None = None) -> 
         feed(memoryview(chunk).cast("B"))
     if ti < len(targets) or pos != expected:
         raise _fail(f"truncated: ended at byte {pos} of {expected}")
-    return tree
+    # the tree last: numpy scalars are read out of their (now filled) arrays
+    return _Decoder(arrays).node(header["tree"], 0)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Any:

@@ -54,7 +54,7 @@ class ChaosLeg:
     def store(self, prefix: str | None = None) -> Store:
         """A store on a new run root (or on ``prefix``), its retries recorded in ``retries``."""
         s = self.open(prefix or f"chaos-{uuid.uuid4().hex[:10]}")
-        s.add_retry_listener(lambda exc, n: (print("RETRY", id(self.retries), repr(exc)[:100]), self.retries.append((repr(exc)[:200], n))))
+        s.add_retry_listener(lambda exc, n: self.retries.append((repr(exc)[:200], n)))
         return s
 
     def reopen(self, store: Store) -> Store:
@@ -168,7 +168,7 @@ def test_protocol_round_trip_through_faults(leg: ChaosLeg) -> None:
         m10 = save(store, 10, p10)
         m20 = save(store, 20, p20)
         assert m20.parent == 10
-        fresh = leg.open(store.location.split("/", 3)[3])
+        fresh = leg.reopen(store)
         try:
             got = restore(fresh)
             assert got.step == 20 and got.rejected == []

@@ -58,16 +58,6 @@ def counted():
         wrapper.close()
 
 
-def _xfail_undeclared_part_checksum_gap(request: pytest.FixtureRequest, backend) -> None:
-    # MemoryStore._upload_part/_put do not verify the CRC32C they are given although its
-    # Capabilities() claim server_verified_checksums; tests/backends/memory.py declares no gap.
-    # Fix belongs in objckpt/store/memory.py (reported); strict, so the fix turns this red.
-    if backend.name == "memory" and GAP_PART_CHECKSUM not in backend.gaps:
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="memory: MemoryStore does not verify part CRC32C")
-        )
-
-
 # ---------------------------------------------------------------- create-if-absent
 
 
@@ -218,7 +208,6 @@ def test_put_stream_source_failing_mid_stream_propagates_and_leaves_nothing(stor
 
 def test_upload_part_with_wrong_checksum_is_rejected(request, backend, store):
     expect_gap(request, backend, GAP_PART_CHECKSUM)
-    _xfail_undeclared_part_checksum_gap(request, backend)
     data = memoryview(_payload(PART, seed=6))
     handle = store._create_upload("bad-part", PutMode.CREATE)
     try:

@@ -32,6 +32,7 @@ from objckpt._retry import RetryPolicy  # noqa: E402
 from objckpt.errors import (  # noqa: E402
     AlreadyExistsError,
     ConfigError,
+    InvalidKeyError,
     NotFoundError,
     PermissionDeniedError,
     PreconditionFailedError,
@@ -422,9 +423,9 @@ def test_listing_skips_pages_of_hidden_parts(make_store):
 
 
 def test_reserved_private_keys_cannot_be_written(gstore):
-    with pytest.raises(StoreError, match="reserved"):
+    with pytest.raises(InvalidKeyError, match="reserved"):
         gstore.put(".objckpt/parts/x", b"no")
-    with pytest.raises(StoreError, match="reserved"):
+    with pytest.raises(InvalidKeyError, match="reserved"):
         gstore.put_stream(".objckpt/uploads/x", b"no" * 1000, part_size=100)
 
 

@@ -305,7 +305,10 @@ class _HostilePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: Any) -> Any:
         if write_item.type == WriteItemType.BYTE_IO and write_item.index.fqn == "extra.epoch":
-            return io.BytesIO(pickle.dumps(_Evil("bytes-item"), protocol=2))
+            payload = io.BytesIO()
+            torch.save(_Evil("bytes-item"), payload)  # what DCP's planner itself would produce
+            payload.seek(0)
+            return payload
         return super().resolve_data(write_item)
 
 

@@ -150,8 +150,8 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
 
 def resume_run(rank: int, world_size: int, root: str, out: str, total: int, every: int, crash_at: int | None) -> None:
     """Train to ``total`` (restoring first); optionally crash the whole job at ``crash_at``."""
-    seed_rank(rank)
     state = build(rank, world_size)
+    seed_rank(rank)
     mgr = CheckpointManager(root, every=every, keep_last=3, timeout=60, handshake_timeout=60)
     restored = mgr.restore(state)
     order = train(mgr, state, total, crash_at=crash_at)
@@ -175,8 +175,8 @@ class KillingStore(CountingStore):
 
 def killed_during_upload(rank: int, world_size: int, root: str, out: str) -> None:
     """Checkpoints at 10 and 20; at 30 rank 1 is SIGKILLed in the middle of a multipart upload."""
-    seed_rank(rank)
     state = build(rank, world_size)
+    seed_rank(rank)
     # 256-byte parts: every replicated shard goes through a multipart upload
     store = open_store(root, part_size=256)
     if rank == 1:
@@ -192,8 +192,8 @@ def killed_during_upload(rank: int, world_size: int, root: str, out: str) -> Non
 
 
 def restore_only(rank: int, world_size: int, root: str, out: str, step: int | None = None) -> None:
-    seed_rank(rank)
     state = build(rank, world_size)
+    seed_rank(rank)
     mgr = CheckpointManager(root, timeout=30, handshake_timeout=30)
     try:
         restored = mgr.restore(state, step=step)
@@ -220,8 +220,8 @@ def rank0_only_save(rank: int, world_size: int, root: str, out: str) -> None:
 
 
 def setup_two_checkpoints(rank: int, world_size: int, root: str, out: str) -> None:
-    seed_rank(rank)
     state = build(rank, world_size)
+    seed_rank(rank)
     mgr = CheckpointManager(root, every=10, timeout=30, handshake_timeout=30)
     train(mgr, state, 20)
     mgr.close()
