@@ -9,8 +9,10 @@ Every manifest is validated before use (:meth:`Manifest.decode`: schema, version
 every key inside its own attempt). :meth:`Reader.candidates` additionally HEAD-checks every shard
 (size and version) and yields checkpoints newest first, falling back along the parent chain with
 a ``logging.warning`` naming the step, key and reason for each rejected one. Shard bytes are
-verified by size and CRC32C while streaming. Nothing read from the store is ever executed: the
-metadata is JSON and shards are returned as bytes.
+verified by size and CRC32C while streaming; :meth:`Reader.restore` falls back to the next
+candidate when loading one fails verification, so a checkpoint is used whole or not at all.
+Nothing read from the store is ever executed: the metadata is JSON and shards are returned as
+bytes. :func:`agree_on_step` is the collective check that every rank restored the same step.
 """
 
 from __future__ import annotations

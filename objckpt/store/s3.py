@@ -45,8 +45,10 @@ Options (URI query parameters or ``open_store`` keywords):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
+import re
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
@@ -85,6 +87,7 @@ S3_MIN_PART_SIZE = 5 * MiB
 S3_MAX_PARTS = 10_000
 
 CONDITIONAL_WRITE_MODES = ("atomic", "unsafe", "none")
+_MULTIPART_ETAG = re.compile(r"-\d+\"?$")
 CHECKSUM_TYPES = ("full_object", "composite")
 
 # ---------------------------------------------------------------------------- error mapping
@@ -309,9 +312,16 @@ def _quoted(etag: str | None) -> str:
     return etag if etag.startswith('"') or etag.startswith("W/") else f'"{etag}"'
 
 
-def _full_crc(value: str | None, checksum_type: str | None) -> str | None:
-    """The full-object CRC32C, or ``None`` for a composite (checksum-of-checksums) value."""
-    if not value or "-" in value or (checksum_type or "").upper() == "COMPOSITE":
+def _full_crc(value: str | None, checksum_type: str | None, etag: str | None = None) -> str | None:
+    """The full-object CRC32C, or ``None`` when it may be a composite (checksum-of-checksums).
+
+    A multipart object's checksum is only trusted when the server says FULL_OBJECT: some
+    servers (moto 5.2.5) send a composite value without its ``-N`` suffix or a type.
+    """
+    kind = (checksum_type or "").upper()
+    if not value or "-" in value or kind == "COMPOSITE":
+        return None
+    if _MULTIPART_ETAG.search(etag or "") and kind != "FULL_OBJECT":
         return None
     return value
 
@@ -598,7 +608,7 @@ class S3Store(Store):
             if attempts > 1:
                 meta = self._completed_earlier(handle, parts)
                 if meta is not None:
-                    return meta
+                    return dataclasses.replace(meta, size=size, crc32c=crc32c)
             raise
         return ObjectMeta(key=handle.key, size=size, version=_quoted(resp.get("ETag")), crc32c=crc32c)
 
@@ -729,7 +739,7 @@ class S3Store(Store):
             key=key,
             size=int(resp.get("ContentLength", 0)),
             version=_quoted(resp.get("ETag")),
-            crc32c=_full_crc(resp.get("ChecksumCRC32C"), resp.get("ChecksumType")),
+            crc32c=_full_crc(resp.get("ChecksumCRC32C"), resp.get("ChecksumType"), resp.get("ETag")),
             last_modified=resp.get("LastModified"),
         )
 

@@ -353,18 +353,26 @@ class CheckpointManager:
             rep_names = self._replicated_names(state, kinds)
             replicated = {n: capture_item(n, state[n], kinds[n]) for n in rep_names}
             local = {n: capture_item(n, state[n], kinds[n]) for n in state if n not in rep_names}
+            # Refuse unserializable values now, naming them, before any rank writes anything.
+            serialization.validate(replicated)
+            serialization.validate(local)
             tensors: list[torch.Tensor] = []
             skeleton = _split_tensors(replicated, tensors)
-            digests = {
-                n: _layout_digest(skeleton[n], tensors) for n in rep_names
-            }
+            digests = {n: _layout_digest(skeleton[n], tensors) for n in rep_names}
+            mine = _assign(tensors, self.world_size)[self.rank]
+            rep_body: serialization.EncodedState | None = None
+            if rep_names and (mine or self.rank == 0):
+                body: dict[str, Any] = {"index": mine, "tensors": [tensors[i] for i in mine]}
+                if self.rank == 0:
+                    body["skeleton"] = skeleton
+                    body["count"] = len(tensors)
+                rep_body = serialization.encode(body)
             progress = progress_of(state)
             return {
                 "replicated_names": rep_names,
                 "local_names": [n for n in state if n not in rep_names],
-                "skeleton": skeleton,
-                "tensors": tensors,
-                "local": {"items": local, "rng": capture_global_rng()},
+                "replicated_body": rep_body,
+                "local_body": serialization.encode({"items": local, "rng": capture_global_rng()}),
                 "digests": digests,
                 "progress": progress.summary() if progress is not None else {"global_step": step},
                 "bytes_written": 0,
@@ -401,21 +409,11 @@ class CheckpointManager:
     def _write(self, step: int, attempt: str, prep: dict[str, Any]) -> list[ShardReceipt]:
         writer = ShardWriter(self.store, step=step, attempt=attempt, rank=self.rank)
         written = 0
-        mine = _assign(prep["tensors"], self.world_size)[self.rank]
-        if prep["replicated_names"] and (mine or self.rank == 0):
-            body: dict[str, Any] = {
-                "index": mine,
-                "tensors": [prep["tensors"][i] for i in mine],
-            }
-            if self.rank == 0:
-                body["skeleton"] = prep["skeleton"]
-                body["count"] = len(prep["tensors"])
-            encoded = serialization.encode(body)
-            writer.write(REPLICATED_SHARD, encoded.buffers())
-            written += encoded.size
-        encoded = serialization.encode(prep["local"])
-        writer.write(RANK_SHARD, encoded.buffers())
-        written += encoded.size
+        for name, encoded in ((REPLICATED_SHARD, prep["replicated_body"]), (RANK_SHARD, prep["local_body"])):
+            if encoded is not None:
+                # streamed from tensor memory: header, then each tensor's bytes in place
+                writer.write(name, encoded.buffers())
+                written += encoded.size
         prep["bytes_written"] = written
         return writer.receipts
 

@@ -63,6 +63,7 @@ __all__ = [
     "dumps",
     "encode",
     "loads",
+    "validate",
 ]
 
 MAGIC = b"OBJCKPT\x00"
@@ -177,17 +178,18 @@ def _bytes_view(arr: _Array) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8)).cast("B")
 
 
-def _path_str(path: tuple[Any, ...]) -> str:
-    return "state" + "".join(f"[{p!r}]" for p in path)
-
-
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, path_root: str = "state", strip: int = 0) -> None:
+        self.path_root = path_root
+        self.strip = strip
         self.arrays: list[_Array] = []
         self.offset = 0
         # identity dedup: a tensor object reachable twice (tied weights) is written once; the
         # object is kept referenced by `arrays`, so its id cannot be reused meanwhile
         self.seen: dict[int, int] = {}
+
+    def _path_str(self, path: tuple[Any, ...]) -> str:
+        return self.path_root + "".join(f"[{p!r}]" for p in path[self.strip :])
 
     def add(self, kind: str, obj: Any, dtype: str, shape: list[int], nbytes: int) -> int:
         key = id(obj)
@@ -201,7 +203,7 @@ class _Encoder:
 
     def node(self, obj: Any, path: tuple[Any, ...], depth: int) -> Any:
         if depth > MAX_DEPTH:
-            raise UnsupportedStateError(f"{_path_str(path)}: nested deeper than {MAX_DEPTH} levels")
+            raise UnsupportedStateError(f"{self._path_str(path)}: nested deeper than {MAX_DEPTH} levels")
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, torch.Tensor):
@@ -237,14 +239,14 @@ class _Encoder:
             return {"b": base64.b64encode(bytes(obj)).decode("ascii")}
         if isinstance(obj, torch.dtype):
             if obj not in _DTYPE_NAMES:
-                raise UnsupportedStateError(f"{_path_str(path)}: dtype {obj} is not supported")
+                raise UnsupportedStateError(f"{self._path_str(path)}: dtype {obj} is not supported")
             return {"dt": _DTYPE_NAMES[obj]}
         if isinstance(obj, torch.device):
             return {"dev": str(obj)}
         if isinstance(obj, TensorRef):
             return {"r": int(obj.index)}
         raise UnsupportedStateError(
-            f"{_path_str(path)}: cannot serialize a {type(obj).__module__}.{type(obj).__qualname__} "
+            f"{self._path_str(path)}: cannot serialize a {type(obj).__module__}.{type(obj).__qualname__} "
             "(supported: None, bool, int, float, str, bytes, list, tuple, dict, torch.Tensor, "
             "numpy arrays and scalars, torch.dtype, torch.device)"
         )
@@ -252,16 +254,16 @@ class _Encoder:
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise UnsupportedStateError(
-                f"{_path_str(path)}: tensor subclass {type(t).__qualname__} is not supported "
+                f"{self._path_str(path)}: tensor subclass {type(t).__qualname__} is not supported "
                 "(sharded DTensors go through objckpt.training.dcp)"
             )
         if t.layout != torch.strided:
-            raise UnsupportedStateError(f"{_path_str(path)}: {t.layout} tensors are not supported")
+            raise UnsupportedStateError(f"{self._path_str(path)}: {t.layout} tensors are not supported")
         if t.device.type == "meta":
-            raise UnsupportedStateError(f"{_path_str(path)}: meta tensors have no data to save")
+            raise UnsupportedStateError(f"{self._path_str(path)}: meta tensors have no data to save")
         name = _DTYPE_NAMES.get(t.dtype)
         if name is None:
-            raise UnsupportedStateError(f"{_path_str(path)}: dtype {t.dtype} is not supported")
+            raise UnsupportedStateError(f"{self._path_str(path)}: dtype {t.dtype} is not supported")
         return self.add("torch", t, name, list(t.shape), t.numel() * t.element_size())
 
     def ndarray(self, a: Any, path: tuple[Any, ...]) -> int:
@@ -269,18 +271,21 @@ class _Encoder:
         if dt.byteorder == "=":
             dt = dt.newbyteorder("<" if struct.pack("=H", 1) == b"\x01\x00" else ">")
         if not _NUMPY_DTYPE_RE.match(dt.str) or dt.hasobject:
-            raise UnsupportedStateError(f"{_path_str(path)}: numpy dtype {a.dtype} is not supported")
+            raise UnsupportedStateError(f"{self._path_str(path)}: numpy dtype {a.dtype} is not supported")
         return self.add("numpy", a, dt.str, list(a.shape), int(a.nbytes))
 
 
-def encode(obj: Any) -> EncodedState:
+def encode(obj: Any, *, path_root: str = "state", strip: int = 0) -> EncodedState:
     """Describe ``obj`` for streaming; no tensor bytes are copied here.
+
+    Error messages name a value's path as ``path_root`` followed by its keys, leaving out the
+    first ``strip`` keys (for containers the caller wrapped around the user's state).
 
     Raises:
         UnsupportedStateError: ``obj`` contains a value the format cannot represent (the message
             names its path, e.g. ``state['optimizer']['param_groups'][0]['foo']``).
     """
-    enc = _Encoder()
+    enc = _Encoder(path_root, strip)
     tree = enc.node(obj, (), 0)
     entries = [
         {"kind": a.kind, "dtype": a.dtype, "shape": a.shape, "offset": a.offset, "nbytes": a.nbytes}
@@ -296,6 +301,15 @@ def encode(obj: Any) -> EncodedState:
     }
     raw = json.dumps(header, separators=(",", ":"), allow_nan=True).encode("utf-8")
     return EncodedState(raw, enc.arrays, data_size)
+
+
+def validate(obj: Any, *, path_root: str = "state") -> None:
+    """Check that :func:`encode` accepts ``obj`` (a walk, no JSON, no copies).
+
+    Raises:
+        UnsupportedStateError: naming the path of the first value that cannot be written.
+    """
+    _Encoder(path_root).node(obj, (), 0)
 
 
 def dumps(obj: Any) -> bytes:

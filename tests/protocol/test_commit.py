@@ -11,13 +11,14 @@ import pytest
 from objckpt import layout
 from objckpt.commit import Coordinator
 from objckpt.errors import CommitConflict, CommitError, NotSupportedError, PermissionDeniedError
-from objckpt.manifest import Manifest, Pointer
+from objckpt.manifest import Manifest
 from objckpt.reader import Reader
 from objckpt.store.base import Capabilities, PutMode
 from objckpt.store.memory import MemoryStore
 from objckpt.store.wrappers import CountingStore, Fault, FaultInjectingStore
+from objckpt.writer import ShardWriter
 
-from .helpers import FAST_RETRY, memory_store, put_checkpoint_directly, save, set_pointer, write_rank
+from .helpers import FAST_RETRY, memory_store, save, write_rank
 
 
 def manifests_in(store) -> list[str]:
@@ -106,7 +107,6 @@ def test_store_check_costs_one_list_per_1000_shards_and_no_heads():
     attempt = layout.new_attempt_id()
     receipts = {}
     for rank in range(5):  # 2,500 shards, written directly for speed
-        from objckpt.writer import ShardWriter
         w = ShardWriter(inner, step=5, attempt=attempt, rank=rank)
         for i in range(500):
             w.write(f"s{i}", b"")

@@ -8,6 +8,7 @@ import pytest
 
 import objckpt.store.memory as memory_module
 from objckpt import layout
+from objckpt.commit import Coordinator
 from objckpt.errors import PermissionDeniedError
 from objckpt.gc import RetentionPolicy, plan_gc, run_gc
 from objckpt.reader import Reader
@@ -91,7 +92,8 @@ def test_gc_never_collects_the_pointer_target_or_the_newest():
     for step in (10, 20, 30, 40, 50):
         save(store, step)
     set_pointer(store, Reader(store).load(30))  # pointer updates for 40 and 50 were lost
-    collect(store, RetentionPolicy(keep_last=0))
+    plan = collect(store, RetentionPolicy(keep_last=0))
+    assert sorted(d.step for d in plan.manifests) == [10, 20, 40]
     assert committed_steps(store) == [30, 50]
 
 
@@ -182,8 +184,6 @@ def test_an_orphan_committed_after_planning_is_not_deleted(clock):
     receipts = {r: write_rank(store, 10, attempt, r) for r in range(2)}
     plan = plan_gc(store, RetentionPolicy(), grace_period=GRACE, now=clock.advance(GRACE * 2))
     assert [o.attempt for o in plan.orphans] == [attempt]
-    from objckpt.commit import Coordinator
-
     Coordinator(store, world_size=2).commit(10, attempt, receipts)  # a slow save commits now
     result = run_gc(store, plan)
     assert result.skipped and result.deleted_objects == 0

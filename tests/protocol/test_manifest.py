@@ -164,9 +164,13 @@ def test_decode_rejects_duplicate_shard_keys():
 _EXECUTED: list[str] = []
 
 
+def _record(what: str) -> None:  # pickled by reference, so unpickling really calls it
+    _EXECUTED.append(what)
+
+
 class _Boom:
     def __reduce__(self):
-        return (_EXECUTED.append, ("pwned",))
+        return (_record, ("pwned",))
 
 
 def test_decode_never_unpickles():

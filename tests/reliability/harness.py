@@ -50,16 +50,17 @@ Payloads = dict[int, dict[str, bytes]]  # rank -> shard name -> bytes
 
 
 def payloads(step: int, world_size: int, *, small: int = 3 * KiB, big: int = 0,
-             big_ranks: tuple[int, ...] = (0,)) -> Payloads:
+             big_ranks: tuple[int, ...] = (0,), salt: str = "") -> Payloads:
     """Deterministic shard contents of ``step``: every rank a small ``meta.bin`` and
     ``state.bin``; ranks in ``big_ranks`` also a ``big.bin`` of ``big`` bytes (multipart when
-    ``big`` exceeds the store's part size). Distinct per (step, rank, name), so a shard of another
-    step or attempt can never compare equal."""
+    ``big`` exceeds the store's part size). Distinct per (step, rank, name, salt), so a shard of
+    another step -- or, with a ``salt``, of another attempt of the same step -- never compares
+    equal."""
     out: Payloads = {}
     for rank in range(world_size):
-        rng = random.Random(f"{step}/{rank}")
+        rng = random.Random(f"{step}/{rank}/{salt}")
         shards = {
-            "meta.bin": f"step={step} rank={rank}\n".encode() + rng.randbytes(64),
+            "meta.bin": f"step={step} rank={rank} salt={salt}\n".encode() + rng.randbytes(64),
             "state.bin": rng.randbytes(small),
         }
         if big and rank in big_ranks:
@@ -181,6 +182,8 @@ class Leg:
     name: str
     uri_for: Callable[[str], str]  # unique prefix -> run-root URI (options in the query)
     atomic_conditionals: bool = True
+    #: smallest non-final multipart part the server accepts (LocalStack, like S3: 5 MiB)
+    min_part_size: int = 64 * KiB
     extra: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -197,7 +200,7 @@ def file_leg(root: str) -> Leg:
     return Leg("file", lambda prefix: f"file://{root}/{prefix}")
 
 
-def s3_leg(name: str, server: Any, bucket: str) -> Leg:
+def s3_leg(name: str, server: Any, bucket: str, *, min_part_size: int = 64 * KiB) -> Leg:
     """An S3 leg on a running ``MotoServer``/``LocalStackServer`` (bucket created here)."""
     from objckpt.testing.s3_servers import create_bucket
 
@@ -208,6 +211,7 @@ def s3_leg(name: str, server: Any, bucket: str) -> Leg:
         name,
         lambda prefix: server.uri(bucket, prefix),
         atomic_conditionals=atomic,
+        min_part_size=min_part_size,
         extra={"server": server, "bucket": bucket},
     )
 

@@ -24,6 +24,8 @@ from objckpt.training.serialization import (
     encode,
 )
 
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+
 ALL_DTYPES = [getattr(torch, n) for n in ser._TORCH_DTYPE_NAMES if hasattr(torch, n)]
 
 
