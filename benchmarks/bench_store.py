@@ -191,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
     print(f"\nserver: {server_name}; object {args.size} MiB, part {args.part_size} MiB, "
           f"{width} in flight, median of {args.runs} runs")
-    print(f"{'case':<26}{'median s':>10}{'MiB/s':>9}{'vs raw':>9}{'client cpu s':>14}")
+    print(f"{'case':<26}{'median s':>10}{'MiB/s':>9}{'vs raw':>9}{'client cpu s':>14}  all runs s")
     for name, value in med.items():
         base = med["put raw boto3"] if name.startswith("put") else med["get raw ranged"]
+        runs = " ".join(f"{w:.2f}" for w, _ in times[name])
         print(f"{name:<26}{value:>10.2f}{args.size / value:>9.0f}{value / base:>9.2f}"
-              f"{cpu[name]:>14.2f}")
+              f"{cpu[name]:>14.2f}  {runs}")
     return 0
 
 

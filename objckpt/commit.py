@@ -34,6 +34,8 @@ log = logging.getLogger("objckpt.commit")
 RankReport = Union[Sequence[ShardReceipt], BaseException, str]
 """What each rank contributes to a commit: its receipts, or the error (or its text) it hit."""
 
+_WARNED_NON_ATOMIC: set[str] = set()
+
 #: rank used in ``CommitError.failures`` for a stray key that lies under no rank's prefix
 NO_RANK = -1
 
@@ -60,7 +62,8 @@ class Coordinator:
                 "backwards)",
                 location=store.location,
             )
-        if not caps.atomic_conditionals:
+        if not caps.atomic_conditionals and store.location not in _WARNED_NON_ATOMIC:
+            _WARNED_NON_ATOMIC.add(store.location)  # once per store: a per-commit warning is noise
             log.warning(
                 "store %s does not make conditional writes atomic under races; concurrent "
                 "coordinators are not safe on it (fine for tests)", store.location,

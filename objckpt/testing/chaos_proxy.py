@@ -466,7 +466,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self.owner._count("connections")
 
     def handle_expect_100(self) -> bool:
-        # Answer 100 Continue only when the body is actually wanted (see _read_body).
+        # Answer 100 Continue only when the body is actually wanted (see _body_chunks), so a
+        # 'before' reset drops the request without inviting its body.
         self._expect_pending = True
         return True
 
@@ -476,7 +477,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             super().handle_one_request()
         except _Broken:
             self.close_connection = True
-        except (ConnectionError, TimeoutError, OSError):
+        except (OSError, ValueError):  # the client went away, or sent malformed chunk framing
             self.close_connection = True
 
     def __getattr__(self, name: str) -> Any:

@@ -260,7 +260,8 @@ class MotoServer(_ServerProcess):
 
     moto honours ``If-None-Match``/``If-Match`` but decides them without a lock (two racing
     writers can both win) and does not reject parts whose checksum is wrong, so
-    :attr:`store_options` declares ``conditional_writes=unsafe`` and ``verified_checksums=false``.
+    :attr:`store_options` declares ``conditional_writes=unsafe`` and ``verified_checksums=false``
+    (and ``read_concurrency=1``: a ranged GET costs moto a whole-object copy).
 
     Args:
         min_part_size: moto's smallest accepted non-final part (S3: 5 MiB); tests may lower it
@@ -296,8 +297,10 @@ class MotoServer(_ServerProcess):
 
     @property
     def store_options(self) -> dict[str, str]:
+        # read_concurrency=1: moto answers each ranged GET by copying the whole object under a
+        # per-object lock, so parallel ranged reads are slower than one streaming GET there.
         return {**super().store_options, "conditional_writes": "unsafe",
-                "verified_checksums": "false"}
+                "verified_checksums": "false", "read_concurrency": "1"}
 
 
 class LocalStackServer(_ServerProcess):

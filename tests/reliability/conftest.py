@@ -22,12 +22,12 @@ MATRIX_BACKENDS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def file_backend(tmp_path_factory: pytest.TempPathFactory) -> Leg:
     return file_leg(str(tmp_path_factory.mktemp("reliability-file")))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def moto_backend() -> Iterator[Leg]:
     from objckpt.testing.s3_servers import MotoServer, ServerStartError
 
@@ -41,7 +41,7 @@ def moto_backend() -> Iterator[Leg]:
         srv.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def localstack_backend() -> Iterator[Leg]:
     why = localstack_unavailable()
     if why:

@@ -7,15 +7,13 @@ so every check can be "the bytes restored are the bytes saved for that step", bi
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
 import os
 import random
 import threading
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -67,15 +65,6 @@ def payloads(step: int, world_size: int, *, small: int = 3 * KiB, big: int = 0,
             shards["big.bin"] = rng.randbytes(big)
         out[rank] = shards
     return out
-
-
-def digest(p: Payloads) -> str:
-    h = hashlib.sha256()
-    for rank in sorted(p):
-        for name in sorted(p[rank]):
-            h.update(f"{rank}/{name}/{len(p[rank][name])}".encode())
-            h.update(p[rank][name])
-    return h.hexdigest()[:16]
 
 
 def write_rank(store: Store, step: int, attempt: str, rank: int, shards: Mapping[str, bytes],
@@ -167,11 +156,6 @@ def attempt_keys(store: Store, step: int, attempt: str) -> list[str]:
     return keys_under(store, attempt_prefix(step, attempt))
 
 
-def data_attempts(store: Store) -> list[str]:
-    """Every ``data/<step>-<attempt>/`` prefix present."""
-    return store.list_prefixes("data/")
-
-
 # ---------------------------------------------------------------------------------- backends
 
 
@@ -214,15 +198,6 @@ def s3_leg(name: str, server: Any, bucket: str, *, min_part_size: int = 64 * KiB
         min_part_size=min_part_size,
         extra={"server": server, "bucket": bucket},
     )
-
-
-@contextlib.contextmanager
-def moto(min_part_size: int | None = 64 * KiB) -> Iterator[Any]:
-    """A moto server accepting small parts, so multipart runs with KiB-sized shards."""
-    from objckpt.testing.s3_servers import MotoServer
-
-    with MotoServer(min_part_size=min_part_size) as srv:
-        yield srv
 
 
 def localstack_unavailable() -> str | None:

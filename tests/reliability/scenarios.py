@@ -29,7 +29,6 @@ from .harness import (
     FAST_RETRY,
     GRACE,
     Leg,
-    Payloads,
     after_grace,
     attempt_keys,
     payloads,
@@ -126,10 +125,6 @@ def run_worker(args: list[str], point: str, timeout: float = 180.0) -> tuple[int
         return proc.returncode, report, proc.stderr[-3000:]
 
 
-def _expect_shards(got: Payloads, want: Payloads) -> bool:
-    return got == want
-
-
 def _uploads(store: Store) -> list[Any]:
     return list(store.list_uploads(""))
 
@@ -175,7 +170,7 @@ def crash_scenario(leg: Leg, point: str) -> Outcome:
             reader = Reader(fresh)
             got = restore(fresh)
             out.restored_step = got.step
-            out.bytes_equal = _expect_shards(got.shards, want)
+            out.bytes_equal = got.shards == want
             prefix = attempt_prefix(got.manifest.step, got.manifest.attempt)
             assert all(r.key.startswith(prefix) for r in got.manifest.shards), "shards of attempts mixed"
             assert got.step == expected, f"restored step {got.step}, expected {expected}"
@@ -297,3 +292,224 @@ def corruption_scenario(leg: Leg, kind: str) -> Outcome:
     finally:
         store.close()
     return out
+
+
+# ---------------------------------------------------------------------------------- chaos
+
+CHAOS_PART = 5 * 1024 * 1024  # S3's real minimum part size: moto runs with its default limits
+CHAOS_FAULT_RATE = 0.08  # >= 5% of all requests broken, every kind, both phases
+
+
+@dataclass
+class ChaosLeg:
+    """One backend behind a chaos proxy. ``store()`` opens a new run root through the proxy."""
+
+    name: str
+    proxy: Any  # ChaosProxy
+    open: Any  # prefix -> Store
+    #: (method, path fragment) of the request that writes a small object create-if-absent
+    small_put: tuple[str, str | None]
+    #: (method, path fragment) of the request that publishes a multipart/composite object
+    complete: tuple[str, str]
+    retries: list[tuple[str, int]] = field(default_factory=list)
+
+    def store(self, prefix: str | None = None) -> Store:
+        """A store on a new run root (or on ``prefix``), its retries recorded in ``retries``."""
+        import uuid
+
+        s = self.open(prefix or f"chaos-{uuid.uuid4().hex[:10]}")
+        s.add_retry_listener(lambda exc, n: self.retries.append((repr(exc)[:200], n)))
+        return s
+
+    def reopen(self, store: Store) -> Store:
+        """A second, independent store on ``store``'s run root (what a restarted job opens)."""
+        return self.store(store.location.split("/", 3)[3])  # scheme://bucket/PREFIX
+
+
+@contextlib.contextmanager
+def chaos_leg(name: str, server: Any, bucket: str, *, seed: int,
+              fault_rate: float = CHAOS_FAULT_RATE) -> Iterator[ChaosLeg]:
+    """``name`` is ``s3`` (``server``: a MotoServer) or ``gcs`` (a FakeGcsServer); ``bucket``
+    must exist. The proxy stops when the block ends."""
+    from objckpt.testing.chaos_proxy import ChaosProxy
+
+    with ChaosProxy(server.endpoint_url, fault_rate=fault_rate, seed=seed,
+                    flavor="s3" if name == "s3" else "gcs", latency=(0.01, 0.1)) as proxy:
+        if name == "s3":
+            opts = {**server.store_options, "endpoint_url": proxy.endpoint_url}
+            yield ChaosLeg(
+                "s3", proxy,
+                lambda prefix: open_store(f"s3://{bucket}/{prefix}", **opts, part_size=CHAOS_PART,
+                                          retry=FAST_RETRY),
+                small_put=("PUT", None),
+                complete=("POST", "uploadId="),
+            )
+        else:
+            yield ChaosLeg(
+                "gcs", proxy,
+                lambda prefix: open_store(f"gs://{bucket}/{prefix}", endpoint_url=proxy.endpoint_url,
+                                          part_size=CHAOS_PART, retry=FAST_RETRY),
+                small_put=("POST", "uploadType=multipart"),
+                complete=("POST", "/compose"),
+            )
+
+
+def _chaos_outcome(leg: ChaosLeg, scenario: str, **kw: Any) -> Outcome:
+    stats = leg.proxy.stats
+    out = Outcome(scenario, leg.name, retries=len(leg.retries), **kw)
+    out.extra["faults"] = leg.proxy.faults
+    out.extra["requests"] = stats["requests"]
+    out.extra["kinds"] = {k: v for k, v in stats.items() if ":" in k and v}
+    return out
+
+
+def _chunks(data: bytes, size: int = 1024 * 1024) -> Iterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+def chaos_multipart(leg: ChaosLeg) -> Outcome:
+    """3 x 5 MiB parts up and down (get and get_stream) byte-identical, with faults that fired."""
+    import random
+
+    store = leg.store()
+    data = random.Random(7).randbytes(3 * CHAOS_PART)
+    # Make sure the interesting cases fire at least once on top of the random ones: a part whose
+    # response is lost (uploaded twice), and a download cut mid-body (get_stream must resume).
+    leg.proxy.inject("reset", phase="after", method="PUT" if leg.name == "s3" else "POST",
+                     path_contains="partNumber=2" if leg.name == "s3" else "upload")
+    leg.proxy.inject("truncate", phase="after", method="GET",
+                     path_contains="alt=media" if leg.name == "gcs" else "/big")
+    try:
+        meta = store.put_stream("big", _chunks(data))
+        assert meta.size == len(data) and store.head("big").size == len(data)
+        equal = store.get("big") == data
+        streamed = b"".join(store.get_stream("big", expected_size=len(data), expected_crc32c=meta.crc32c))
+        equal = equal and streamed == data
+        equal = equal and store.get("big", byte_range=(CHAOS_PART - 3, CHAOS_PART + 5)) == data[CHAOS_PART - 3 : CHAOS_PART + 5]
+        assert equal, "bytes differ after the round trip"
+        if leg.name == "s3":
+            # completed: nothing pending (GCS may leave a temporary part whose delete failed
+            # under the faults; that is documented as left for GC)
+            assert store.list_uploads("") == []
+    finally:
+        store.close()
+    assert leg.proxy.faults > 0, leg.proxy.stats
+    assert len(leg.retries) > 0, leg.proxy.stats
+    return _chaos_outcome(leg, "chaos:multipart 3x5MiB", bytes_equal=equal)
+
+
+def chaos_protocol(leg: ChaosLeg) -> Outcome:
+    """Two saves (4 ranks in threads, multipart shards) commit and restore bit for bit through
+    the faults, from a second store (a restarted job); LATEST ends on the newer step."""
+    store = leg.store()
+    try:
+        p10 = payloads(10, 4, big=2 * CHAOS_PART + 123)
+        p20 = payloads(20, 4, big=CHAOS_PART + 7, big_ranks=(1, 3))
+        save(store, 10, p10)
+        m20 = save(store, 20, p20)
+        assert m20.parent == 10
+        fresh = leg.reopen(store)
+        try:
+            got = restore(fresh)
+            assert got.step == 20 and got.rejected == [], got.rejected
+            equal = got.shards == p20
+            assert equal, "restored bytes differ"
+            latest = Reader(fresh).latest()
+            assert latest is not None and latest.attempt == m20.attempt
+            pointer = Reader(fresh).pointer()
+            assert pointer is not None and pointer.step == 20
+        finally:
+            fresh.close()
+    finally:
+        store.close()
+    assert leg.proxy.faults > 0, leg.proxy.stats
+    assert len(leg.retries) > 0, (leg.proxy.stats, leg.proxy.injections)
+    return _chaos_outcome(leg, "chaos:save+commit+restore, 4 ranks", restored_step=20,
+                          expected_step=20, bytes_equal=equal)
+
+
+def chaos_lost_manifest(leg: ChaosLeg, kind: str) -> Outcome:
+    """The manifest's create-if-absent write is applied but its response lost (``reset``, or
+    replaced by a 503 ``slowdown``): the retry meets the manifest it just wrote. The commit must
+    return that same manifest, not raise CommitConflict, and exactly one manifest must exist."""
+    from objckpt.commit import Coordinator
+    from objckpt.layout import new_attempt_id
+    from objckpt.manifest import Manifest
+
+    from .harness import write_rank
+
+    leg.proxy.set_fault_rate(0.0)  # only the targeted fault: the outcome must be exact
+    store = leg.store()
+    try:
+        p = payloads(30, 2)
+        attempt = new_attempt_id()
+        reports = {r: write_rank(store, 30, attempt, r, p[r]) for r in p}
+        method, fragment = leg.small_put
+        # After the shards, the manifest is the next small create-if-absent write.
+        leg.proxy.inject(kind, phase="after", method=method,
+                         path_contains="/manifests/" if leg.name == "s3" else fragment)
+        m = Coordinator(store, world_size=2).commit(30, attempt, reports)
+        assert leg.proxy.pending_injections() == 0 and leg.proxy.stats[f"{kind}:after"] == 1
+        assert m.attempt == attempt and m.step == 30
+        stored = Manifest.decode(store.get(manifest_key(30)), key=manifest_key(30))
+        assert stored == m, "the stored manifest is not the one the commit returned"
+        assert [k.key for k in store.list("manifests/")] == [manifest_key(30)]
+        got = restore(store)
+        equal = got.shards == p
+        assert got.step == 30 and equal
+    finally:
+        leg.proxy.set_fault_rate(CHAOS_FAULT_RATE)
+        store.close()
+    assert len(leg.retries) > 0
+    return _chaos_outcome(leg, f"chaos:lost manifest response ({kind})", restored_step=30,
+                          expected_step=30, bytes_equal=equal)
+
+
+def chaos_lost_shard(leg: ChaosLeg, which: str) -> Outcome:
+    """A shard's create-if-absent write -- one request (``small_put``) or the multipart
+    completion (``complete``) -- is applied but its response lost; the retry meets the shard it
+    wrote itself. The save must still commit and restore bit for bit."""
+    leg.proxy.set_fault_rate(0.0)
+    store = leg.store()
+    try:
+        p = payloads(40, 1, big=CHAOS_PART + 11)
+        method, fragment = getattr(leg, which)
+        if which == "small_put" and leg.name == "s3":
+            fragment = "/state.bin"
+        leg.proxy.inject("reset", phase="after", method=method, path_contains=fragment)
+        m = save(store, 40, p)
+        assert leg.proxy.pending_injections() == 0
+        got = restore(store)
+        equal = got.shards == p
+        assert m.step == 40 and got.step == 40 and equal
+    finally:
+        leg.proxy.set_fault_rate(CHAOS_FAULT_RATE)
+        store.close()
+    assert len(leg.retries) > 0
+    label = "single PUT" if which == "small_put" else "multipart completion"
+    return _chaos_outcome(leg, f"chaos:lost shard response ({label})", restored_step=40,
+                          expected_step=40, bytes_equal=equal)
+
+
+def chaos_read_path(leg: ChaosLeg, rate: float = 0.25) -> Outcome:
+    """Resolution and reads (pointer GET, manifests LIST, manifest GET, shard HEAD/GET) at a
+    high fault rate: a transient failure is never mistaken for a damaged checkpoint."""
+    leg.proxy.set_fault_rate(0.0)
+    store = leg.store()
+    try:
+        p = payloads(50, 3)
+        save(store, 50, p)
+        leg.proxy.set_fault_rate(rate, kinds=("slowdown", "internal", "reset", "truncate"))
+        equal = True
+        for _ in range(3):
+            got = restore(store)
+            assert got.step == 50 and got.rejected == [], got.rejected
+            equal = equal and got.shards == p
+        assert equal
+    finally:
+        leg.proxy.set_fault_rate(CHAOS_FAULT_RATE)
+        store.close()
+    assert leg.proxy.faults > 0 and len(leg.retries) > 0
+    return _chaos_outcome(leg, f"chaos:restore x3 at {rate:.0%} faults", restored_step=50,
+                          expected_step=50, bytes_equal=equal)

@@ -24,6 +24,7 @@ from objckpt._crc import crc32c_b64  # noqa: E402
 from objckpt._retry import RetryPolicy  # noqa: E402
 from objckpt.errors import (  # noqa: E402
     AlreadyExistsError,
+    ChecksumMismatchError,
     ConfigError,
     NotFoundError,
     NotSupportedError,
@@ -471,7 +472,36 @@ def test_retried_complete_after_a_lost_response_succeeds(s3_store):
     assert s3_store.list_uploads("") == []
 
 
-def test_get_stream_resumes_after_a_read_error_mid_body(s3_store):
+def test_large_reads_fan_out_into_ranged_gets_pinned_to_one_etag(s3_backend):
+    uri = s3_backend.uri_for("t-par-" + os.urandom(4).hex()) + "&part_size=1MiB&read_concurrency=3"
+    with open_store(uri) as store:
+        data = os.urandom(5 * MiB + 3)
+        meta = store.put("obj", data)
+        sent: list[dict[str, str]] = []
+        store._client.meta.events.register(
+            "before-send.s3.GetObject",
+            lambda request, **_: sent.append({k: v.decode() if isinstance(v, bytes) else v
+                                              for k, v in request.headers.items()}))
+        assert store.get("obj") == data
+        assert len(sent) == 6  # 1 MiB ranges
+        assert "If-Match" not in sent[0] and all(h["If-Match"] == meta.version for h in sent[1:])
+        assert store.get_verified("obj", expected_size=len(data), expected_crc32c=meta.crc32c) == data
+        assert store.get("obj", byte_range=(100, 4 * MiB + 5)) == data[100 : 4 * MiB + 5]
+        assert store.get("obj", byte_range=(len(data) - 2, len(data) + 10)) == data[-2:]
+        store.put("empty", b"")
+        assert store.get("empty") == b"" and b"".join(store.get_stream("empty")) == b""
+
+        # replaced between the first range and the rest: never a mix of two versions
+        stream = store.get_stream("obj", expected_size=len(data), expected_crc32c=meta.crc32c)
+        first = next(stream)
+        store.put("obj", os.urandom(len(data)))
+        with pytest.raises(ChecksumMismatchError):
+            b"".join([first, *stream])
+
+
+def test_get_stream_resumes_after_a_read_error_mid_body(s3_backend):
+    uri = s3_backend.uri_for("t-resume-" + os.urandom(4).hex()) + "&read_concurrency=1"
+    s3_store = open_store(uri)
     data = os.urandom(3 * MiB + 11)
     meta = s3_store.put("obj", data)
     s3_store.read_chunk = MiB
@@ -509,6 +539,7 @@ def test_get_stream_resumes_after_a_read_error_mid_body(s3_store):
     assert got == data
     assert ranges == [None, f"bytes={MiB}-"]
     assert len(retries) == 1 and isinstance(retries[0], TransientError)
+    s3_store.close()
 
 
 def test_pending_uploads_are_listed_with_their_start_and_aborted(s3_store):

@@ -1,0 +1,1 @@
+"""objckpt benchmarks: ``python -m benchmarks.run [--quick]`` (see ``benchmarks/run.py``)."""

@@ -1,0 +1,250 @@
+"""Shared helpers for the benchmarks: statistics, machine facts, servers, the workload state.
+
+Every reported figure is a ratio against a baseline timed in the same run (interleaved), so
+drift on a shared machine hits both sides alike; medians of >= 3 runs with min-max.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # ``python benchmarks/run.py`` as well as ``-m benchmarks.run``
+    sys.path.insert(0, str(REPO))
+
+MiB = 1024 * 1024
+BUCKET = "objckpt-bench"
+
+
+# ------------------------------------------------------------------------------ statistics
+
+
+@dataclass
+class Series:
+    """Values of one metric over runs."""
+
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else float("nan")
+
+    @property
+    def lo(self) -> float:
+        return min(self.values) if self.values else float("nan")
+
+    @property
+    def hi(self) -> float:
+        return max(self.values) if self.values else float("nan")
+
+    def fmt(self, digits: int = 2, unit: str = "") -> str:
+        if not self.values:
+            return "n/a"
+        return (f"{self.median:.{digits}f}{unit} [{self.lo:.{digits}f}-{self.hi:.{digits}f}]"
+                f" n={len(self.values)}")
+
+
+def paired_ratios(base: list[float], ours: list[float]) -> Series:
+    """Speed ratios per run, ``base_time / our_time`` (> 1: objckpt faster)."""
+    return Series([b / o for b, o in zip(base, ours) if o > 0])
+
+
+# ------------------------------------------------------------------------------ machine
+
+
+def machine_info() -> dict[str, str]:
+    mem = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+    cpu = platform.processor() or "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = "?"
+    with contextlib.suppress(OSError):
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    import torch
+
+    return {
+        "nproc": subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip(),
+        "memory": mem,
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "boto3": _version("boto3"),
+        "botocore": _version("botocore"),
+        "s3fs": _version("s3fs"),
+        "s3torchconnector": _version("s3torchconnector"),
+        "load average at start": load,
+    }
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+# ------------------------------------------------------------------------------ servers
+
+
+@dataclass
+class Server:
+    kind: str  # "localstack" | "moto"
+    endpoint: str
+    version: str
+    startup_s: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.version}"
+
+    @property
+    def store_options(self) -> dict[str, str]:
+        from objckpt.testing.s3_servers import DUMMY_CREDENTIALS
+
+        opts = {
+            "endpoint_url": self.endpoint,
+            "access_key_id": DUMMY_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            "secret_access_key": DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            "region": DUMMY_CREDENTIALS["AWS_DEFAULT_REGION"],
+        }
+        if self.kind == "moto":  # see MotoServer.store_options
+            opts.update(conditional_writes="unsafe", verified_checksums="false")
+        return opts
+
+
+def localstack_version() -> str:
+    from objckpt.testing.s3_servers import DEFAULT_LOCALSTACK_VENV
+
+    py = Path(os.environ.get("OBJCKPT_LOCALSTACK_VENV") or DEFAULT_LOCALSTACK_VENV) / "bin" / "python"
+    out = subprocess.run(
+        [str(py), "-c", "import importlib.metadata as m; print(m.version('localstack-core'))"],
+        capture_output=True, text=True, timeout=60,
+    )
+    return out.stdout.strip() or "?"
+
+
+@contextlib.contextmanager
+def start_server(kind: str, endpoint: str | None = None) -> Iterator[Server]:
+    """Start a local S3 server (or use ``endpoint``) with the benchmark bucket created."""
+    from objckpt.testing.s3_servers import LocalStackServer, MotoServer, create_bucket
+
+    if endpoint:
+        version = localstack_version() if kind == "localstack" else _version("moto")
+        create_bucket(endpoint, BUCKET)
+        yield Server(kind, endpoint, version, 0.0)
+        return
+    if kind == "localstack":
+        srv: Any = LocalStackServer()
+        version = localstack_version()
+    else:
+        srv = MotoServer()
+        version = _version("moto")
+    with srv:
+        create_bucket(srv.endpoint_url, BUCKET)
+        yield Server(kind, srv.endpoint_url, version, srv.startup_seconds or 0.0)
+
+
+def localstack_available() -> bool:
+    from objckpt.testing.s3_servers import LocalStackServer
+
+    return LocalStackServer.available()
+
+
+def boto_client(endpoint: str, pool: int = 16) -> Any:
+    """A plain boto3 client (the baseline's; see ``bench_store.raw_client``)."""
+    from benchmarks.bench_store import raw_client
+
+    return raw_client(endpoint, pool)
+
+
+def delete_prefix(client: Any, bucket: str, prefix: str) -> int:
+    """Delete every object under ``prefix`` (and abort its multipart uploads); bounded."""
+    n = 0
+    for _ in range(10_000):
+        resp = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000)
+        keys = [{"Key": o["Key"]} for o in resp.get("Contents", []) or []]
+        if not keys:
+            break
+        client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+        n += len(keys)
+    with contextlib.suppress(Exception):
+        ups = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) or []
+        for u in ups:
+            client.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+    return n
+
+
+# ------------------------------------------------------------------------------ workload
+
+
+def make_model(total_bytes: int, n_tensors: int, seed: int = 0) -> Any:
+    """An ``nn.Module`` holding ``n_tensors`` float32 parameters of equal size (``total_bytes``
+    in all), random content (incompressible, like trained weights)."""
+    import torch
+
+    numel = max(1, total_bytes // n_tensors // 4)
+    gen = torch.Generator().manual_seed(seed)
+
+    class Blob(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i in range(n_tensors):
+                p = torch.nn.Parameter(torch.empty(numel), requires_grad=False)
+                # uniform random 32-bit patterns are as incompressible as trained weights and
+                # much cheaper to make than randn
+                p.data.view(torch.int32).random_(generator=gen)
+                self.register_parameter(f"w{i:02d}", p)
+
+    return Blob()
+
+
+def fingerprint(model: Any) -> list[int]:
+    """A cheap content check: per tensor, the int64 sum of its 32-bit patterns."""
+    import torch
+
+    return [int(p.data.view(torch.int32).sum(dtype=torch.int64)) for p in model.parameters()]
+
+
+def zero(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.zero_()
+
+
+def state_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def timed(fn: Any) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)

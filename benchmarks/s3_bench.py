@@ -1,0 +1,376 @@
+"""Save/load of one training state over S3, objckpt vs baselines, on 1 or more ranks.
+
+``run_world(cfg)`` starts ``world_size`` worker processes (a gloo group when > 1) that build the
+same state (an ``nn.Module`` of ``n_tensors`` float32 parameters, DDP-style: identical on every
+rank) and, interleaved run by run (the order rotates each run), time:
+
+==============  ============================================================================
+``objckpt``     ``CheckpointManager.save`` (replicated tensors split across ranks, one
+                ``replicated.bin`` + ``rank.bin`` per rank, commit protocol included) and
+                ``CheckpointManager.restore`` (resolution through ``Reader``, every rank reads
+                every replicated shard, CRC32C-verified, decoded into the live model)
+``raw``         bare boto3 (``bench_store.raw_put``/``raw_get``): each rank uploads the bytes of
+                the same tensors objckpt gives it as one multipart object, same part size and
+                parts in flight; load: every rank fetches every rank's object with parallel
+                part-sized ranged GETs (bytes only, no decode)
+``dcp_s3fs``    ``torch.distributed.checkpoint`` with ``FsspecWriter``/``FsspecReader`` over s3fs
+``s3tc``        ``torch.distributed.checkpoint`` with s3torchconnector's ``S3StorageWriter`` /
+                ``S3StorageReader`` (CRT client, ``force_path_style=True``)
+==============  ============================================================================
+
+A time is barrier-to-barrier on rank 0 (so the slowest rank counts). Each load is checked
+against the state's fingerprint (raw: byte count). Everything written in a run is deleted,
+untimed, before the next. Results go to a JSON file written by rank 0.
+
+    python -m benchmarks.s3_bench --endpoint http://127.0.0.1:4566 --world-size 2 --mib 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    BUCKET,
+    REPO,
+    MiB,
+    delete_prefix,
+    fingerprint,
+    make_model,
+    state_bytes,
+    timed,
+    write_json,
+    zero,
+)
+
+CASES = ("objckpt", "raw", "dcp_s3fs", "s3tc")
+REGION = "us-east-1"
+
+
+# ------------------------------------------------------------------------------ launcher
+
+
+def run_world(cfg: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+    """Run the workers; return rank 0's results (``{"error": ...}`` if the world failed)."""
+    from objckpt.testing.s3_servers import child_env, free_port
+
+    out = Path(cfg["out"])
+    out.unlink(missing_ok=True)
+    cfg = {**cfg, "port": free_port()}
+    cfg_path = out.with_suffix(".cfg.json")
+    cfg_path.write_text(json.dumps(cfg))
+    env = child_env({"AWS_ENDPOINT_URL": cfg["endpoint"], "PYTHONPATH": str(REPO),
+                     "PYTHONWARNINGS": "ignore"})
+    logs = [out.with_suffix(f".rank{r}.log") for r in range(cfg["world_size"])]
+    procs = []
+    for r in range(cfg["world_size"]):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.s3_bench", "--worker", str(cfg_path), "--rank", str(r)],
+            cwd=REPO, env=env, stdout=open(logs[r], "wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ))
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p in procs:  # bounded: nothing outlives the call
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+    if out.exists():
+        result = json.loads(out.read_text())
+    else:
+        result = {}
+    if any(c != 0 for c in codes):
+        tails = "\n".join(f"--- rank {r} (exit {c}):\n" + _tail(logs[r]) for r, c in enumerate(codes))
+        result.setdefault("error", f"workers exited {codes} (None: killed after {timeout:.0f}s)\n{tails}")
+    return result
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------------------ worker
+
+
+class World:
+    def __init__(self, rank: int, world_size: int, port: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world_size, timeout=timedelta(seconds=900))
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def timed(self, fn: Any) -> tuple[float, float]:
+        self.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        self.barrier()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    def close(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+class Bench:
+    """One world's cases, over one model."""
+
+    def __init__(self, cfg: dict[str, Any], world: World, tag: str, total: int, n_tensors: int) -> None:
+        import torch
+
+        from benchmarks.common import boto_client
+
+        self.cfg, self.world, self.tag = cfg, world, tag
+        self.rank, self.ws = world.rank, world.world_size
+        self.part, self.width = cfg["part_size"], cfg["width"]
+        self.model = make_model(total, n_tensors)
+        self.fp = fingerprint(self.model)
+        self.client = boto_client(cfg["endpoint"], pool=max(self.width, 10))
+        self.errors: dict[str, str] = {}
+        # the tensors objckpt's manager gives this rank (equal sizes: round robin), as one blob
+        params = list(self.model.parameters())
+        mine = [p for i, p in enumerate(params) if i % self.ws == self.rank]
+        self.raw_sizes = [sum(p.numel() * 4 for i, p in enumerate(params) if i % self.ws == r)
+                          for r in range(self.ws)]
+        self.raw_data = b"".join(memoryview(p.data.view(torch.uint8).numpy()) for p in mine) \
+            if "raw" in cfg["cases"] else b""
+
+    # -- per-case prefixes (everything a run writes lies under prefix(run))
+    def prefix(self, case: str, run: int) -> str:
+        return f"{self.tag}/w{self.ws}/{case}/run{run}"
+
+    # -- objckpt
+    def _store(self, run: int) -> Any:
+        from objckpt.store import open_store
+
+        return open_store(f"s3://{BUCKET}/{self.prefix('objckpt', run)}", **self.cfg["store_options"],
+                          part_size=str(self.part), max_in_flight=str(self.width))
+
+    def objckpt_save(self, run: int) -> Any:
+        from objckpt.training.manager import CheckpointManager
+
+        mgr = CheckpointManager(self._store(run), keep_last=None)
+        return mgr, (lambda: mgr.save(run + 1, {"model": self.model}))
+
+    def objckpt_load(self, run: int) -> Any:
+        from objckpt.training.manager import CheckpointManager
+
+        mgr = CheckpointManager(self._store(run), keep_last=None)
+
+        def go() -> None:
+            step = mgr.restore({"model": self.model})
+            assert step == run + 1, step
+
+        return mgr, go
+
+    # -- raw boto3
+    def raw_save(self, run: int) -> Any:
+        from benchmarks.bench_store import raw_put
+
+        key = f"{self.prefix('raw', run)}/{self.rank}"
+        return None, (lambda: raw_put(self.client, BUCKET, key, self.raw_data, self.part, self.width))
+
+    def raw_load(self, run: int) -> Any:
+        from benchmarks.bench_store import raw_get
+
+        def go() -> None:
+            for r, size in enumerate(self.raw_sizes):
+                got = raw_get(self.client, BUCKET, f"{self.prefix('raw', run)}/{r}", size, self.part,
+                              self.width)
+                assert got == size, (got, size)
+
+        return None, go
+
+    # -- DCP + s3fs
+    def _fsspec_kwargs(self) -> dict[str, Any]:
+        from objckpt.testing.s3_servers import DUMMY_CREDENTIALS
+
+        return {"key": DUMMY_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                "secret": DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                "client_kwargs": {"endpoint_url": self.cfg["endpoint"], "region_name": REGION}}
+
+    def dcp_s3fs_save(self, run: int) -> Any:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        path = f"s3://{BUCKET}/{self.prefix('dcp_s3fs', run)}"
+        writer = FsspecWriter(path, thread_count=self.cfg["dcp_threads"], **self._fsspec_kwargs())
+        return None, (lambda: dcp.save(self.model.state_dict(), storage_writer=writer))
+
+    def dcp_s3fs_load(self, run: int) -> Any:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        path = f"s3://{BUCKET}/{self.prefix('dcp_s3fs', run)}"
+        reader = FsspecReader(path, **self._fsspec_kwargs())
+        return None, (lambda: dcp.load(self.model.state_dict(), storage_reader=reader))
+
+    # -- DCP + s3torchconnector
+    def s3tc_save(self, run: int) -> Any:
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector.dcp import S3StorageWriter
+
+        path = f"s3://{BUCKET}/{self.prefix('s3tc', run)}"
+        writer = S3StorageWriter(REGION, path, s3client_config=S3ClientConfig(force_path_style=True),
+                                 thread_count=self.cfg["dcp_threads"])
+        return None, (lambda: dcp.save(self.model.state_dict(), storage_writer=writer))
+
+    def s3tc_load(self, run: int) -> Any:
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector.dcp import S3StorageReader
+
+        path = f"s3://{BUCKET}/{self.prefix('s3tc', run)}"
+        reader = S3StorageReader(REGION, path, s3client_config=S3ClientConfig(force_path_style=True))
+        return None, (lambda: dcp.load(self.model.state_dict(), storage_reader=reader))
+
+    # -- driver
+    def one(self, case: str, op: str, run: int) -> tuple[float, float] | None:
+        """Time one case/op (None if the case already failed; its error is kept)."""
+        if case in self.errors:
+            return None
+        res: Any = None
+        try:
+            if op == "load" and case != "raw":  # raw loads bytes only: the model stays as is
+                zero(self.model)
+            res, fn = getattr(self, f"{case}_{op}")(run)
+            t = self.world.timed(fn)
+            if op == "load" and case != "raw":
+                got = fingerprint(self.model)
+                if got != self.fp:
+                    raise AssertionError(f"{case} load returned different content")
+            return t
+        except Exception as exc:  # noqa: BLE001 - recorded, the case is skipped from then on
+            self.errors[case] = f"{op}: {type(exc).__name__}: {exc}".strip()[:2000]
+            traceback.print_exc()
+            return None
+        finally:
+            if res is not None:
+                res.close()
+
+    def cleanup(self, run: int) -> None:
+        self.world.barrier()
+        if self.rank == 0:
+            for case in self.cfg["cases"]:
+                delete_prefix(self.client, BUCKET, self.prefix(case, run) + "/")
+        self.world.barrier()
+
+
+def worker(cfg_path: str, rank: int) -> None:
+    import torch
+
+    cfg = json.loads(Path(cfg_path).read_text())
+    ws = cfg["world_size"]
+    torch.set_num_threads(1 if ws > 1 else 2)
+    world = World(rank, ws, cfg["port"])
+    cases = list(cfg["cases"])
+    # Warm-up (untimed): connection pools, lazy imports, server code paths, multipart included.
+    warm = Bench(cfg, world, "warm", min(cfg["total_bytes"], 64 * MiB), 4)
+    for op in ("save", "load"):
+        for case in cases:
+            warm.one(case, op, 0)
+    warm.cleanup(0)
+    warm_errors = dict(warm.errors)
+    del warm
+
+    bench = Bench(cfg, world, "main", cfg["total_bytes"], cfg["n_tensors"])
+    bench.errors.update(warm_errors)  # a case that cannot run at all is not retried
+    times: dict[str, dict[str, list[list[float]]]] = {c: {"save": [], "load": []} for c in cases}
+    for run in range(cfg["runs"]):
+        order = cases[run % len(cases):] + cases[: run % len(cases)]
+        for op in ("save", "load"):
+            for case in order:
+                t = bench.one(case, op, run)
+                if t is not None:
+                    times[case][op].append(list(t))
+        bench.cleanup(run)
+    if rank == 0:
+        write_json(cfg["out"], {
+            "world_size": ws,
+            "state_bytes": state_bytes(bench.model),
+            "n_tensors": cfg["n_tensors"],
+            "times": times,
+            "errors": bench.errors,
+        })
+    world.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", help="a running S3-compatible server (else start --server)")
+    ap.add_argument("--server", choices=["localstack", "moto"], default="localstack")
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--mib", type=int, default=64, help="state size in MiB")
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.rank)
+        return 0
+    from benchmarks.common import Series, paired_ratios, start_server
+
+    with start_server(args.server, args.endpoint) as srv:
+        cfg = default_cfg(srv, args.world_size, args.mib * MiB, args.tensors, args.runs,
+                          args.cases.split(","), "/tmp/objckpt-s3-bench.json")
+        res = run_world(cfg, timeout=3600)
+    print(json.dumps(res.get("errors", {}), indent=1), res.get("error", ""))
+    times = res.get("times", {})
+    for op in ("save", "load"):
+        for case, t in times.items():
+            walls = [w for w, _ in t[op]]
+            line = f"{op} {case:<9} {Series(walls).fmt(2, 's')}"
+            if case != "objckpt" and times.get("objckpt", {}).get(op):
+                ours = [w for w, _ in times["objckpt"][op]]
+                line += f"  objckpt speed ratio {paired_ratios(walls, ours).fmt(2, 'x')}"
+            print(line)
+    return 0
+
+
+def default_cfg(srv: Any, world_size: int, total: int, n_tensors: int, runs: int,
+                cases: list[str], out: str) -> dict[str, Any]:
+    return {
+        "endpoint": srv.endpoint,
+        "store_options": srv.store_options,
+        "world_size": world_size,
+        "total_bytes": total,
+        "n_tensors": n_tensors,
+        "runs": runs,
+        "cases": cases,
+        "part_size": 16 * MiB,  # objckpt's default; the raw baseline uses the same
+        "width": 8,  # objckpt's default parts in flight; the raw baseline uses the same
+        "dcp_threads": 8,
+        "out": out,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

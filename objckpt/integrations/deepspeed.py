@@ -1,0 +1,526 @@
+"""DeepSpeed: a ``CheckpointEngine`` that commits ``engine.save_checkpoint`` to a run root.
+
+::
+
+    import deepspeed
+    from objckpt.integrations.deepspeed import ObjckptCheckpointEngine, load_checkpoint
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    ckpt = ObjckptCheckpointEngine.attach(engine, "s3://bucket/runs/eta")   # every rank
+    ...
+    engine.save_checkpoint("/local/scratch/ckpt")           # every rank, as usual; tag global_stepN
+    ...
+    load_path, client_state = load_checkpoint(engine, "/local/scratch/ckpt")  # every rank; newest commit
+
+How DeepSpeed's calls map onto the protocol (every rank takes part in every save):
+
+* ``create(info)``: a handshake checks every rank saves the same tag and shares rank 0's fresh
+  attempt id. The tag names the step: its trailing integer (``global_step20`` -> 20), or
+  ``step_of_tag(tag)``.
+* ``save(state, path)``: ``torch.save`` into a spooled buffer (memory, then a temporary file),
+  uploaded as shard ``<path relative to save_dir/tag>`` of this rank, create-if-absent.
+* ``commit(info)``: every rank's receipts (or its error) are gathered to rank 0, which commits
+  (manifest create-if-absent, ``LATEST`` forward-only); every rank returns, or raises the same
+  :class:`CommitError` naming the failing ranks. Rank 0 then applies retention (``keep_last``).
+* ``decoupled=True`` (``is_decoupled()``): ``save`` snapshots the state (``torch.save``) and
+  uploads in a background thread; DeepSpeed calls ``commit`` at the next optimizer-step boundary,
+  so training overlaps the upload and the checkpoint is committed one step later.
+
+Local ``save_dir`` is scratch: DeepSpeed itself writes its ``latest`` tag file and recovery
+scripts there; checkpoint data goes only to the store. Loading goes through
+:meth:`ObjckptCheckpointEngine.prepare_load` (or :func:`load_checkpoint`): the ranks agree on a
+committed tag (the newest valid one by default) and empty marker files are laid out locally,
+because DeepSpeed finds its files by ``glob``/``os.path.exists`` before it calls ``load``; each
+``load`` then streams the shard from the store, verifies its size and CRC32C and unpickles it with
+``torch.load(weights_only=True)`` allowing only tensors, containers and DeepSpeed's own state
+classes (:data:`SAFE_GLOBALS`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .. import layout
+from ..errors import CommitError, DistributedError, NoCheckpointError
+from ..gc import RetentionPolicy, plan_gc, run_gc
+from ..manifest import Manifest
+from ..reader import Reader
+from ..store import Store
+from ..writer import ShardWriter
+from . import _common
+
+try:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine as _Base
+except ImportError:  # pragma: no cover - the engine logic still works (and is unit-tested) without it
+    _Base = object  # type: ignore[assignment,misc]
+
+__all__ = ["SAFE_GLOBALS", "ObjckptCheckpointEngine", "load_checkpoint", "step_from_tag"]
+
+log = logging.getLogger("objckpt.integrations.deepspeed")
+
+#: DeepSpeed classes found inside ZeRO-1/2 checkpoints (DeepSpeed 0.19): loss scaler, the ZeRO
+#: stage enum, and the fragment addresses of ``param_slice_mappings``
+SAFE_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler:LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
+    "deepspeed.runtime.zero.config:ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment:fragment_address",
+)
+
+
+def step_from_tag(tag: str) -> int:
+    """The trailing integer of a DeepSpeed tag: ``global_step20`` -> 20, ``"7"`` -> 7."""
+    digits = ""
+    for ch in reversed(str(tag)):
+        if not ch.isdigit():
+            break
+        digits = ch + digits
+    if not digits:
+        raise ValueError(
+            f"cannot tell the step of DeepSpeed tag {tag!r}: it does not end in an integer "
+            "(use the default tag global_stepN, or pass step_of_tag=)"
+        )
+    return layout.check_step(int(digits))
+
+
+def _resolve_globals(names: Iterable[Any]) -> list[Any]:
+    import importlib
+
+    out = []
+    for item in names:
+        if not isinstance(item, str):
+            out.append(item)
+            continue
+        module, _, attr = item.partition(":")
+        try:
+            out.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            log.debug("safe global %s not available in this DeepSpeed", item)
+    return out
+
+
+@dataclass
+class _Save:
+    tag: str
+    save_dir: str
+    save_latest: bool
+    step: int
+    attempt: str
+    writer: ShardWriter
+    errors: list[str] = field(default_factory=list)
+    uploads: list[Future[None]] = field(default_factory=list)
+    info: Any = None
+
+
+class ObjckptCheckpointEngine(_Base):
+    """DeepSpeed ``CheckpointEngine`` backed by an objckpt run root. Construct it on every rank
+    (after ``deepspeed.init_distributed``) and put it in ``engine.checkpoint_engine``
+    (:meth:`attach`).
+
+    Args:
+        uri_or_store: run root URI or Store.
+        store_options: options for ``open_store`` when a URI is given.
+        decoupled: upload in the background and commit at the next optimizer step.
+        keep_last, keep_every: retention after each commit (rank 0); None keeps everything.
+        metadata, config_hash: recorded in every manifest.
+        step_of_tag: tag -> step (default :func:`step_from_tag`).
+        safe_globals: extra classes (or ``"module:attr"`` names) ``torch.load`` may rebuild.
+        timeout, handshake_timeout: seconds for the collectives (see ``CheckpointManager``).
+        gc_grace_period: retention's grace period for unreferenced attempt data.
+    """
+
+    def __init__(
+        self,
+        uri_or_store: str | Store,
+        *,
+        store_options: Mapping[str, Any] | None = None,
+        decoupled: bool = False,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        config_hash: str | None = None,
+        step_of_tag: Callable[[str], int] = step_from_tag,
+        safe_globals: Iterable[Any] = (),
+        timeout: float = 1800.0,
+        handshake_timeout: float = 300.0,
+        gc_grace_period: timedelta = timedelta(hours=6),
+        spool_bytes: int = _common.DEFAULT_SPOOL_BYTES,
+    ) -> None:
+        self.name = "ObjckptCheckpointEngine"
+        self.store = _common.open_root(uri_or_store, store_options)
+        self.reader = Reader(self.store)
+        self.decoupled = decoupled
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.metadata = dict(metadata or {})
+        self.config_hash = config_hash
+        self.step_of_tag = step_of_tag
+        self.safe_globals = list(SAFE_GLOBALS) + list(safe_globals)
+        self.gc_grace_period = gc_grace_period
+        self.spool_bytes = spool_bytes
+        self._collective = _common.Collective(timeout=timeout, handshake_timeout=handshake_timeout)
+        self._pending: _Save | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._manifests: dict[str, Manifest] = {}  # tag -> manifest, for load()
+
+    @classmethod
+    def attach(cls, engine: Any, uri_or_store: str | Store, **kwargs: Any) -> ObjckptCheckpointEngine:
+        """Make a new engine and install it as ``engine.checkpoint_engine`` (every rank)."""
+        ckpt = cls(uri_or_store, **kwargs)
+        engine.checkpoint_engine = ckpt
+        return ckpt
+
+    # ------------------------------------------------------------------ DeepSpeed API: saving
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        """Local scratch directories: DeepSpeed writes its ``latest`` file there itself."""
+        os.makedirs(path, exist_ok=True)
+
+    def create(self, info: Any) -> None:
+        """Start a save of ``info.tag`` (every rank): handshake, fresh attempt id from rank 0."""
+        with self._lock:
+            previous = self._pending
+        if previous is not None:
+            if self.decoupled:
+                # the previous decoupled save was not committed yet: commit it first
+                self.commit(previous.info)
+            else:
+                log.warning(
+                    "discarding the unfinished save of tag %s (create() without commit(), e.g. "
+                    "after an exception); its shards are left for garbage collection", previous.tag,
+                )
+                with self._lock:
+                    self._pending = None
+        tag = str(info.tag)
+        try:
+            step, error = self.step_of_tag(tag), None
+        except Exception as exc:  # noqa: BLE001 - every rank raises the same error below
+            step, error = None, _common.error_report(exc)
+        comm = self._collective
+        hello = {
+            "tag": tag,
+            "step": step,
+            "error": error,
+            "attempt": layout.new_attempt_id() if comm.rank == 0 else None,
+        }
+        attempt = comm.agree(hello, _decide_handshake, f"save_checkpoint(tag={tag}) handshake", handshake=True)
+        assert step is not None
+        writer = ShardWriter(self.store, step=step, attempt=attempt, rank=comm.rank)
+        with self._lock:
+            self._pending = _Save(
+                tag=tag, save_dir=os.fspath(info.save_dir), save_latest=bool(getattr(info, "save_latest", True)),
+                step=step, attempt=attempt, writer=writer, info=info,
+            )
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Serialize ``state_dict`` now and upload it (in the background when decoupled).
+
+        Errors are not raised here: they are reported at :meth:`commit`, where every rank
+        raises the same :class:`CommitError` naming this rank.
+        """
+        with self._lock:
+            p = self._pending
+        if p is None:
+            raise RuntimeError(
+                f"ObjckptCheckpointEngine.save({path!r}) outside create()/commit(); DeepSpeed "
+                "calls them around every save"
+            )
+        try:
+            name = _shard_name(p, path)
+            layout.shard_key(p.step, p.attempt, 0, name)  # a portable name, or ValueError
+            spool = _common.torch_save_spooled(state_dict, spool_bytes=self.spool_bytes)
+        except Exception as exc:  # noqa: BLE001 - reported at commit
+            log.error("rank %d cannot save %s: %s", self._collective.rank, path, exc)
+            p.errors.append(f"{path}: {_common.error_report(exc)}")
+            return
+        if self.decoupled:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="objckpt-deepspeed")
+                executor = self._executor
+            p.uploads.append(executor.submit(self._upload, p, name, spool))
+        else:
+            self._upload(p, name, spool)
+
+    def _upload(self, p: _Save, name: str, spool: Any) -> None:
+        try:
+            p.writer.write(name, spool)
+        except Exception as exc:  # noqa: BLE001 - reported at commit
+            log.error("rank %d failed to upload %s: %s", p.writer.rank, name, exc)
+            p.errors.append(f"{name}: {_common.error_report(exc)}")
+        finally:
+            spool.close()
+
+    def commit(self, info: Any) -> bool:
+        """Commit the save of ``info.tag`` (every rank); raises the same error on every rank."""
+        with self._lock:
+            p = self._pending
+        if p is None or str(info.tag) != p.tag:
+            raise RuntimeError(
+                f"ObjckptCheckpointEngine.commit(tag={info.tag!r}) without a matching create() "
+                f"(pending: {p.tag if p else None!r})"
+            )
+        try:
+            for upload in p.uploads:
+                upload.result()
+            if p.errors:
+                report: dict[str, Any] = {"error": "; ".join(p.errors)}
+            else:
+                report = {"receipts": [r.to_dict() for r in p.writer.receipts]}
+            step = self._collective.agree(
+                report, lambda reports: self._commit_on_rank0(p, reports).step,
+                f"save_checkpoint(tag={p.tag}) commit",
+            )
+        finally:
+            with self._lock:
+                if self._pending is p:
+                    self._pending = None
+        if self._collective.rank == 0:
+            self._retain()
+        log.info("committed DeepSpeed tag %s as step %d under %s", p.tag, step, self.store.location)
+        return True
+
+    def _commit_on_rank0(self, p: _Save, reports: list[Any]) -> Manifest:
+        files = {str(r): [d["name"] for d in rep.get("receipts", [])] for r, rep in enumerate(reports)}
+        try:
+            import deepspeed
+
+            version = getattr(deepspeed, "__version__", None)
+        except ImportError:  # pragma: no cover
+            version = None
+        run: dict[str, Any] = {"software": _common.software(deepspeed=version)}
+        if self.config_hash is not None:
+            run["config_hash"] = self.config_hash
+        return _common.commit_gathered(
+            self.store, p.step, p.attempt, reports,
+            progress={"global_step": p.step},
+            run=run,
+            topology={"deepspeed_files": files},
+            metadata={**self.metadata, "integration": "deepspeed", "deepspeed": {"tag": p.tag}},
+        )
+
+    def _retain(self) -> None:
+        if self.keep_last is None:
+            return
+        try:
+            plan = plan_gc(
+                self.store, RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every),
+                grace_period=self.gc_grace_period,
+            )
+            if not plan.empty:
+                run_gc(self.store, plan)
+        except Exception as exc:  # noqa: BLE001 - the save is committed whatever happens here
+            log.warning("retention under %s failed (checkpoints are intact): %s", self.store.location, exc)
+
+    def is_decoupled(self) -> bool:
+        return self.decoupled
+
+    def get_commit_info(self) -> Any:
+        """The pending decoupled save DeepSpeed should commit at its next step, if any."""
+        with self._lock:
+            p = self._pending
+        return p.info if (p is not None and self.decoupled) else None
+
+    def cleanup(self) -> None:
+        """Commit a pending decoupled save (every rank, from ``engine.destroy()``) and stop the
+        upload thread."""
+        info = self.get_commit_info()
+        try:
+            if info is not None:
+                self.commit(info)
+        finally:
+            with self._lock:
+                executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ DeepSpeed API: loading
+
+    def prepare_load(self, load_dir: str, tag: str | None = None) -> str | None:
+        """Agree on a committed tag and lay out DeepSpeed's local view of it (every rank).
+
+        ``tag=None``: the newest committed checkpoint whose shards pass the HEAD check (falling
+        back to older ones with a warning). Writes ``load_dir/latest`` and an empty marker file
+        ``load_dir/<tag>/<name>`` per shard (DeepSpeed globs for them); :meth:`load` reads the
+        data from the store. Returns the tag, or None when nothing is committed.
+
+        Raises (on every rank alike):
+            NoCheckpointError: ``tag`` is not committed, is damaged, or is not a DeepSpeed
+                checkpoint.
+        """
+        chosen = self._collective.agree(
+            None, lambda _: self._choose(tag), f"load_checkpoint(tag={tag}) resolution", handshake=True
+        )
+        if chosen is None:
+            return None
+        error = None
+        try:
+            manifest = self.reader.load(int(chosen["step"]))
+            chosen_tag = _tag_of(manifest)
+            with self._lock:
+                self._manifests[chosen_tag] = manifest
+            folder = os.path.join(load_dir, chosen_tag)
+            for receipt in manifest.shards:
+                marker = os.path.join(folder, *receipt.name.split("/"))
+                os.makedirs(os.path.dirname(marker), exist_ok=True)
+                open(marker, "ab").close()  # noqa: SIM115 - an empty marker; never overwrites
+            _write_atomic(os.path.join(load_dir, "latest"), chosen_tag)
+        except Exception as exc:  # noqa: BLE001 - every rank raises the same below
+            error = _common.error_report(exc)
+        self._collective.agree(
+            {"step": chosen["step"], "error": error}, _common.decide_restored,
+            f"load_checkpoint(tag={chosen['tag']}) preparation",
+        )
+        return str(chosen["tag"])
+
+    def _choose(self, tag: str | None) -> dict[str, Any] | None:
+        if tag is None:
+            manifest = self.reader.latest_valid()
+            if manifest is None:
+                if self.reader.steps():
+                    raise NoCheckpointError(f"no valid checkpoint under {self.store.location}")
+                return None
+        else:
+            manifest = self._manifest_for_tag(str(tag))
+            problems = self.reader.check(manifest)
+            if problems:
+                raise NoCheckpointError(
+                    f"DeepSpeed tag {tag} (step {manifest.step}) is damaged: " + "; ".join(map(str, problems))
+                )
+        return {"step": manifest.step, "tag": _tag_of(manifest)}
+
+    def _manifest_for_tag(self, tag: str) -> Manifest:
+        with self._lock:
+            cached = self._manifests.get(tag)
+        if cached is not None:
+            return cached
+        manifest = self.reader.load(self.step_of_tag(tag))
+        if _tag_of(manifest) != tag:
+            raise NoCheckpointError(
+                f"step {manifest.step} under {self.store.location} holds DeepSpeed tag "
+                f"{_tag_of(manifest)!r}, not {tag!r}"
+            )
+        with self._lock:
+            self._manifests[tag] = manifest
+        return manifest
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """Stream ``<tag>/<name>`` from the store, verify it, and ``torch.load(weights_only=True)``
+        it with only :data:`SAFE_GLOBALS` (and ``safe_globals=``) allowed.
+
+        Raises:
+            FileNotFoundError: the committed checkpoint has no such file.
+            ChecksumMismatchError: the bytes differ from the receipt (nothing is unpickled).
+            pickle.UnpicklingError: the file names a global outside the allow-list.
+        """
+        tag, name = _split_path(path, self._manifests)
+        manifest = self._manifest_for_tag(tag)
+        receipt = next((r for r in manifest.shards if r.name == name), None)
+        if receipt is None:
+            raise FileNotFoundError(
+                f"DeepSpeed checkpoint {tag} (step {manifest.step}) under {self.store.location} has no file {name!r}"
+            )
+        return _common.torch_load_verified(
+            self.reader.open_shard(receipt),
+            allowed=_resolve_globals(self.safe_globals),
+            map_location=map_location,
+            spool_bytes=self.spool_bytes,
+        )
+
+    # DeepSpeed's defaults for is_data_parallel_writer / preserves_storage_sharing apply.
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return dp_rank == 0
+
+    def preserves_storage_sharing(self) -> bool:
+        return True
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[Any, Any]:
+    """``engine.load_checkpoint`` from the store (every rank): :meth:`prepare_load`, then
+    DeepSpeed's own load, then a check that every rank loaded the same tag.
+
+    Returns ``(load_path, client_state)`` as DeepSpeed does; ``(None, None)`` when nothing is
+    committed. Raises the same error on every rank when any rank failed.
+    """
+    ckpt = engine.checkpoint_engine
+    if not isinstance(ckpt, ObjckptCheckpointEngine):
+        raise TypeError("engine.checkpoint_engine is not an ObjckptCheckpointEngine (use attach())")
+    chosen = ckpt.prepare_load(load_dir, tag)
+    if chosen is None:
+        return None, None
+    error, result = None, (None, None)
+    try:
+        result = engine.load_checkpoint(load_dir, chosen, **kwargs)
+        if result[0] is None:
+            error = f"DeepSpeed did not load tag {chosen}"
+    except Exception as exc:  # noqa: BLE001 - every rank raises alike below
+        error = _common.error_report(exc)
+    step = ckpt.step_of_tag(chosen)
+    ckpt._collective.agree({"step": step, "error": error}, _common.decide_restored, f"load_checkpoint(tag={chosen})")
+    return result
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _decide_handshake(hellos: list[Any]) -> str:
+    errors = {r: h["error"] for r, h in enumerate(hellos) if h.get("error")}
+    if errors:
+        raise CommitError(
+            "DeepSpeed save not started: " + "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items())),
+            errors,
+        )
+    tags = {h["tag"] for h in hellos}
+    if len(tags) != 1:
+        detail = ", ".join(f"rank {r}: {h['tag']!r}" for r, h in enumerate(hellos))
+        raise DistributedError(f"ranks save different DeepSpeed tags ({detail})")
+    attempt = hellos[0]["attempt"]
+    layout.check_attempt_id(attempt)
+    return str(attempt)
+
+
+def _shard_name(p: _Save, path: str) -> str:
+    folder = os.path.abspath(os.path.join(p.save_dir, p.tag))
+    target = os.path.abspath(os.fspath(path))
+    if os.path.commonpath([folder, target]) != folder or target == folder:
+        raise ValueError(
+            f"{path} lies outside the checkpoint folder {folder}; ObjckptCheckpointEngine commits "
+            "only files of save_dir/tag (for save_16bit_model exports use DeepSpeed's "
+            "TorchCheckpointEngine)"
+        )
+    return os.path.relpath(target, folder).replace(os.sep, "/")
+
+
+def _split_path(path: str, known: Mapping[str, Manifest]) -> tuple[str, str]:
+    """``.../<tag>/<name>`` -> ``(tag, name)``; ``name`` may have folders when a known tag is
+    further up the path."""
+    parts = os.path.normpath(os.fspath(path)).split(os.sep)
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] in known:
+            return parts[i], "/".join(parts[i + 1 :])
+    if len(parts) < 2:
+        raise FileNotFoundError(f"{path}: not a <tag>/<file> path")
+    return parts[-2], parts[-1]
+
+
+def _tag_of(manifest: Manifest) -> str:
+    info = manifest.metadata.get("deepspeed")
+    if not isinstance(info, dict) or not isinstance(info.get("tag"), str):
+        raise NoCheckpointError(f"step {manifest.step} ({manifest.key}) is not a DeepSpeed checkpoint")
+    return info["tag"]
+
+
+def _write_atomic(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)

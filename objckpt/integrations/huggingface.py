@@ -1,0 +1,301 @@
+"""Hugging Face ``Trainer``: commit every checkpoint folder Trainer writes, resume from the store.
+
+::
+
+    from transformers import Trainer, TrainingArguments
+    from objckpt.integrations.huggingface import ObjckptCallback, download_checkpoint
+
+    args = TrainingArguments(output_dir="/local/out", save_steps=500, ...)
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[ObjckptCallback("s3://bucket/runs/eta", keep_last=3)])
+    path = download_checkpoint("s3://bucket/runs/eta", "/local/resume")   # every rank; None: fresh
+    trainer.train(resume_from_checkpoint=path)
+
+Saving: Trainer writes ``<output_dir>/checkpoint-<global_step>/`` (model, optimizer, scheduler,
+``trainer_state.json``, one ``rng_state_<rank>.pth`` per rank) and then calls ``on_save`` on
+every rank, with no barrier of its own. In ``on_save`` each rank uploads the files it owns
+(``rng_state_<r>.pth`` belongs to rank ``r``, every other file to rank 0, which wrote them; see
+``owner_of``) as shards of one attempt; receipts (or each rank's error) are gathered to rank 0,
+which commits step ``global_step`` with ``world_size`` = the number of ranks; every rank returns
+or raises the same :class:`CommitError`. That gather is the barrier that makes rank 0 wait for
+every rank's files. Rank 0 then applies retention (``keep_last``) to the store; Trainer's own
+``save_total_limit`` still governs the local folders.
+
+Resuming: :func:`download_checkpoint` picks the newest committed checkpoint whose shards pass the
+HEAD check (or ``step=``), downloads every file into ``<local_dir>/checkpoint-<step>/``, verifying
+each file's size and CRC32C before it is moved into place, and checks that every rank got the
+same step. Trainer itself then loads the folder; transformers 5 loads its ``.pt``/``.pth`` files
+with ``torch.load(weights_only=True)`` and the model from safetensors. ``training_args.bin``
+(a pickle Trainer writes) is stored and downloaded but never loaded by objckpt or by Trainer's
+resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from .. import layout
+from ..errors import DistributedError, NoCheckpointError
+from ..gc import RetentionPolicy, plan_gc, run_gc
+from ..manifest import Manifest
+from ..reader import Reader
+from ..store import Store
+from ..writer import ShardWriter
+from . import _common
+
+try:
+    from transformers import TrainerCallback as _Base
+except ImportError:  # pragma: no cover - depends on what is installed
+    raise ImportError(
+        "objckpt.integrations.huggingface needs transformers: pip install 'transformers>=5'"
+    ) from None
+
+__all__ = ["CHECKPOINT_PREFIX", "ObjckptCallback", "default_owner", "download_checkpoint"]
+
+log = logging.getLogger("objckpt.integrations.huggingface")
+
+#: Trainer's checkpoint folder prefix (``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``)
+CHECKPOINT_PREFIX = "checkpoint"
+
+_RNG_RE = re.compile(r"^rng_state_(\d+)\.pth$")
+
+
+def default_owner(relpath: str, world_size: int) -> int:
+    """Which rank uploads ``relpath`` of a Trainer checkpoint folder: ``rng_state_<r>.pth`` is
+    rank ``r``'s (each rank writes its own), everything else rank 0's (Trainer writes model,
+    optimizer, scheduler and state on the main process)."""
+    m = _RNG_RE.match(relpath)
+    if m and int(m.group(1)) < world_size:
+        return int(m.group(1))
+    return 0
+
+
+class ObjckptCallback(_Base):
+    """Commits each checkpoint folder Trainer saves to an objckpt run root.
+
+    Args:
+        uri_or_store: run root URI or Store.
+        store_options: options for ``open_store`` when a URI is given.
+        keep_last, keep_every: retention in the store after each commit; None keeps all.
+        metadata, config_hash: recorded in every manifest.
+        owner_of: ``(relpath, world_size) -> rank`` that uploads a file (:func:`default_owner`).
+            A rank uploads only files it sees locally, so on node-local disks every file must
+            be owned by a rank of the node that wrote it.
+        timeout, handshake_timeout: seconds for the collectives.
+        gc_grace_period: retention's grace period for unreferenced attempt data.
+
+    Every rank must have the callback (Trainer calls callbacks on every rank).
+    """
+
+    def __init__(
+        self,
+        uri_or_store: str | Store,
+        *,
+        store_options: Mapping[str, Any] | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        config_hash: str | None = None,
+        owner_of: Callable[[str, int], int] = default_owner,
+        timeout: float = 1800.0,
+        handshake_timeout: float = 300.0,
+        gc_grace_period: timedelta = timedelta(hours=6),
+    ) -> None:
+        self.store = _common.open_root(uri_or_store, store_options)
+        self.reader = Reader(self.store)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.metadata = dict(metadata or {})
+        self.config_hash = config_hash
+        self.owner_of = owner_of
+        self.gc_grace_period = gc_grace_period
+        self._collective = _common.Collective(timeout=timeout, handshake_timeout=handshake_timeout)
+        #: the manifest of the last commit (every rank)
+        self.last_manifest: Manifest | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Create the checkpoint process groups now, while every rank is at the same point.
+        _ = self._collective.comm
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Upload this rank's files of ``checkpoint-<global_step>`` and commit (every rank)."""
+        step = int(state.global_step)
+        folder_name = f"{CHECKPOINT_PREFIX}-{step}"
+        folder = os.path.join(args.output_dir, folder_name)
+        comm = self._collective
+        hello = {"step": step, "attempt": layout.new_attempt_id() if comm.rank == 0 else None}
+        attempt = comm.agree(hello, _decide_handshake, f"on_save(step={step}) handshake", handshake=True)
+        try:
+            writer = ShardWriter(self.store, step=step, attempt=attempt, rank=comm.rank)
+            for relpath in _files_under(folder):
+                if self.owner_of(relpath, comm.world_size) == comm.rank:
+                    with open(os.path.join(folder, *relpath.split("/")), "rb") as fh:
+                        writer.write(relpath, fh)
+            report: dict[str, Any] = {"receipts": [r.to_dict() for r in writer.receipts]}
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, raised on every rank
+            log.error("rank %d failed to upload %s: %s", comm.rank, folder, exc)
+            report = {"error": _common.error_report(exc)}
+
+        def commit(reports: list[Any]) -> str:
+            manifest = _common.commit_gathered(
+                self.store, step, attempt, reports,
+                progress={"global_step": step, "epoch": state.epoch},
+                run=self._run_identity(),
+                topology={"owner": "rng_state_<r>.pth: rank r; other files: rank 0"},
+                metadata={**self.metadata, "integration": "huggingface", "huggingface": {"folder": folder_name}},
+            )
+            return manifest.encode().decode("utf-8")
+
+        encoded = comm.agree(report, commit, f"on_save(step={step}) commit")
+        self.last_manifest = Manifest.decode(encoded.encode("utf-8"), key=layout.manifest_key(step))
+        if comm.rank == 0:
+            self._retain()
+
+    def _run_identity(self) -> dict[str, Any]:
+        try:
+            import transformers
+
+            version = transformers.__version__
+        except ImportError:  # pragma: no cover
+            version = None
+        run: dict[str, Any] = {"software": _common.software(transformers=version)}
+        if self.config_hash is not None:
+            run["config_hash"] = self.config_hash
+        return run
+
+    def _retain(self) -> None:
+        if self.keep_last is None:
+            return
+        try:
+            plan = plan_gc(
+                self.store, RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every),
+                grace_period=self.gc_grace_period,
+            )
+            if not plan.empty:
+                run_gc(self.store, plan)
+        except Exception as exc:  # noqa: BLE001 - the save is committed whatever happens here
+            log.warning("retention under %s failed (checkpoints are intact): %s", self.store.location, exc)
+
+
+def _files_under(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"Trainer checkpoint folder {folder} does not exist on this rank")
+    out = []
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), folder)
+            out.append(rel.replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _decide_handshake(hellos: list[Any]) -> str:
+    steps = {h["step"] for h in hellos}
+    if len(steps) != 1:
+        detail = ", ".join(f"rank {r}: {h['step']}" for r, h in enumerate(hellos))
+        raise DistributedError(f"ranks save different steps ({detail})")
+    attempt = hellos[0]["attempt"]
+    layout.check_attempt_id(attempt)
+    return str(attempt)
+
+
+# ---------------------------------------------------------------------------------- resume
+
+
+def download_checkpoint(
+    uri_or_store: str | Store,
+    local_dir: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    store_options: Mapping[str, Any] | None = None,
+    shared_dir: bool = False,
+    timeout: float = 1800.0,
+    handshake_timeout: float = 300.0,
+) -> str | None:
+    """Download a committed Trainer checkpoint into ``<local_dir>/checkpoint-<step>/`` (every
+    rank) and return that folder, for ``trainer.train(resume_from_checkpoint=...)``.
+
+    Rank 0 picks the checkpoint (``step``, else the newest whose shards pass the HEAD check,
+    falling back to older ones with a warning) and tells the others. Each file is streamed to a
+    temporary name, its size and CRC32C verified, then renamed into place, so a folder never
+    holds a partial or unverified file. ``shared_dir=True``: ``local_dir`` is one folder all ranks
+    see, so only rank 0 downloads (the others wait). Call it after the process group is up
+    (creating ``TrainingArguments`` does that under torchrun).
+
+    Returns None when nothing is committed (a fresh start).
+
+    Raises (on every rank alike):
+        NoCheckpointError: ``step`` is not committed or is damaged, or checkpoints exist but none
+            is usable.
+        DistributedError: a rank failed to download (the message names it and why).
+    """
+    store = _common.open_root(uri_or_store, store_options)
+    reader = Reader(store)
+    collective = _common.Collective(timeout=timeout, handshake_timeout=handshake_timeout)
+    try:
+        chosen = collective.agree(
+            None, lambda _: _choose(reader, step), "download_checkpoint resolution", handshake=True
+        )
+        if chosen is None:
+            return None
+        folder = os.path.join(os.fspath(local_dir), chosen["folder"])
+        error = None
+        if collective.rank == 0 or not shared_dir:
+            try:
+                manifest = reader.load(int(chosen["step"]))
+                _download(reader, manifest, folder)
+            except Exception as exc:  # noqa: BLE001 - every rank raises alike below
+                error = _common.error_report(exc)
+        collective.agree(
+            {"step": chosen["step"], "error": error}, _common.decide_restored,
+            f"download_checkpoint(step={chosen['step']})",
+        )
+        log.info("downloaded checkpoint step %s from %s to %s", chosen["step"], store.location, folder)
+        return folder
+    finally:
+        collective.close()
+
+
+def _choose(reader: Reader, step: int | None) -> dict[str, Any] | None:
+    if step is None:
+        manifest = reader.latest_valid()
+        if manifest is None:
+            if reader.steps():
+                raise NoCheckpointError(f"no valid checkpoint under {reader.store.location}")
+            return None
+    else:
+        manifest = reader.load(step)
+        problems = reader.check(manifest)
+        if problems:
+            raise NoCheckpointError(f"checkpoint step {step} is damaged: " + "; ".join(map(str, problems)))
+    info = manifest.metadata.get("huggingface")
+    if not isinstance(info, dict) or not isinstance(info.get("folder"), str):
+        raise NoCheckpointError(f"step {manifest.step} ({manifest.key}) is not a Hugging Face Trainer checkpoint")
+    folder = info["folder"]
+    if folder != f"{CHECKPOINT_PREFIX}-{manifest.step}":
+        raise NoCheckpointError(f"step {manifest.step}: unexpected folder name {folder!r} in {manifest.key}")
+    return {"step": manifest.step, "folder": folder}
+
+
+def _download(reader: Reader, manifest: Manifest, folder: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    tag = f".objckpt-{os.getpid()}-{threading.get_ident()}"
+    for receipt in manifest.shards:
+        layout.validate_key_in_root(receipt.name)  # no absolute names, no '..'
+        dest = os.path.join(folder, *receipt.name.split("/"))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = dest + tag
+        try:
+            with open(tmp, "wb") as fh:
+                for chunk in reader.open_shard(receipt):  # the last chunk raises on a mismatch
+                    fh.write(chunk)
+            os.replace(tmp, dest)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+

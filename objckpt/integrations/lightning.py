@@ -1,0 +1,359 @@
+"""PyTorch Lightning: a ``CheckpointIO`` that commits every Lightning checkpoint to a run root.
+
+::
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO   # optional: save in a thread
+    from objckpt.integrations.lightning import ObjckptCheckpointIO
+
+    io = ObjckptCheckpointIO("s3://bucket/runs/eta")
+    trainer = Trainer(strategy="ddp", plugins=[io])          # or plugins=[AsyncCheckpointIO(io)]
+    trainer.fit(model)                                         # ModelCheckpoint saves through io
+    trainer.fit(model, ckpt_path="latest")                     # resume from the newest commit
+
+How Lightning paths map to checkpoints: a save commits step ``checkpoint["global_step"]`` (one
+shard, ``lightning.ckpt``) and records the file name Lightning asked for in the manifest's
+metadata. Lightning's local ``dirpath`` only supplies names; nothing is written there. A load
+path resolves, in order, to: the newest valid commit for ``"latest"``, ``"last"``,
+``"last.ckpt"`` or the run root's URI (falling back to older commits, loudly, if the newest is
+damaged); the step in a name containing ``step=N`` (``epoch=0-step=10.ckpt``); otherwise the
+newest commit whose recorded name equals the file name.
+
+Under DDP Lightning calls ``save_checkpoint`` on global rank 0 only (the state is replicated), so
+this plug-in writes and commits with ``world_size=1`` from rank 0; ``load_checkpoint`` is called
+by every rank, and the ranks check collectively that they loaded the same step. Strategies that
+save sharded state themselves (FSDP, DeepSpeed, ModelParallel) do not use ``CheckpointIO``.
+
+Serialization: objckpt's own pickle-free format (:mod:`objckpt.training.serialization`), never
+``torch.save``/``pickle``. Loading therefore runs no code from the store whatever
+``weights_only`` says. A value the format cannot hold (e.g. an ``argparse.Namespace`` in the
+hyper-parameters) fails the save with :class:`UnsupportedStateError` naming its path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import CommitConflict, IntegrityError, NoCheckpointError, StoreError
+from ..gc import RetentionPolicy, plan_gc, run_gc
+from ..manifest import Manifest
+from ..reader import Reader
+from ..store import Store
+from . import _common
+
+try:  # the unified package first, then the standalone pytorch_lightning's fabric
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO
+    except ImportError as exc:
+        raise ImportError(
+            "objckpt.integrations.lightning needs PyTorch Lightning: pip install 'lightning>=2.6'"
+        ) from exc
+
+__all__ = ["SHARD_NAME", "ObjckptCheckpointIO", "step_from_path"]
+
+log = logging.getLogger("objckpt.integrations.lightning")
+
+#: the one shard of a Lightning checkpoint
+SHARD_NAME = "lightning.ckpt"
+#: load paths that mean "the newest committed checkpoint"
+LATEST_NAMES = frozenset({"latest", "last", "last.ckpt"})
+
+_STEP_RE = re.compile(r"(?:^|[^A-Za-z0-9])step=(\d+)")
+
+
+def step_from_path(path: str | os.PathLike[str]) -> int | None:
+    """The ``N`` of ``step=N`` in a checkpoint file name (``epoch=0-step=10.ckpt`` -> 10)."""
+    m = _STEP_RE.search(os.path.basename(os.fspath(path)))
+    return int(m.group(1)) if m else None
+
+
+class ObjckptCheckpointIO(_CheckpointIO):
+    """Lightning ``CheckpointIO`` backed by an objckpt run root.
+
+    Args:
+        uri_or_store: run root (``s3://...``, ``gs://...``, ``file:///...``) or a Store.
+        store_options: options for :func:`objckpt.store.open_store` when a URI is given.
+        metadata: JSON recorded in every manifest.
+        config_hash: recorded in the manifest's run identity.
+        collective_load: check with the other ranks that every rank loaded the same step
+            (invariant 13). Default: when ``torch.distributed`` is initialised with more than one
+            rank. Every rank must then call ``load_checkpoint`` (Lightning's resume does).
+        timeout, handshake_timeout: seconds for those collectives (see ``CheckpointManager``).
+
+    Thread-safe: ``AsyncCheckpointIO`` may run :meth:`save_checkpoint` in its worker thread.
+    """
+
+    def __init__(
+        self,
+        uri_or_store: str | Store,
+        *,
+        store_options: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        config_hash: str | None = None,
+        collective_load: bool | None = None,
+        timeout: float = 1800.0,
+        handshake_timeout: float = 300.0,
+    ) -> None:
+        super().__init__()
+        self.store = _common.open_root(uri_or_store, store_options)
+        self.uri = uri_or_store if isinstance(uri_or_store, str) else None
+        self.reader = Reader(self.store)
+        self.metadata = dict(metadata or {})
+        self.config_hash = config_hash
+        self.collective_load = collective_load
+        self._collective = _common.Collective(timeout=timeout, handshake_timeout=handshake_timeout)
+        self._lock = threading.RLock()
+        #: steps this process committed or loaded: a second save of one is a no-op
+        self._known: set[int] = set()
+        #: file name -> step, for names this process saved or loaded
+        self._names: dict[str, int] = {}
+        #: steps Lightning asked to remove that are not yet safe to delete
+        self._pending_removal: set[int] = set()
+        self._saving = 0
+
+    # ------------------------------------------------------------------ save
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Commit ``checkpoint`` as step ``checkpoint["global_step"]`` (from ``path`` if absent).
+
+        Returns once the manifest is written (and ``LATEST`` advanced). A step this process
+        already committed or loaded is not written again (Lightning saves ``last.ckpt`` and the
+        top-k file of one step separately; both name that one commit).
+
+        Raises:
+            UnsupportedStateError: a value the pickle-free format cannot hold (path named).
+            CommitConflict: another run already committed this step under the run root.
+            CommitError, StoreError: the save failed; nothing was committed.
+            TypeError: ``storage_options`` given (as Lightning's own ``TorchCheckpointIO``).
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "ObjckptCheckpointIO.save_checkpoint does not take storage_options; got "
+                f"{storage_options!r}"
+            )
+        from ..training import serialization
+
+        name = os.path.basename(os.fspath(path))
+        step = checkpoint.get("global_step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            step = step_from_path(path)
+        if step is None:
+            raise ValueError(
+                f"cannot tell the step of Lightning checkpoint {path!r}: it has no integer "
+                "'global_step' and its name has no 'step=N'"
+            )
+        with self._lock:
+            if step in self._known:
+                log.info("step %d is already committed under %s; %s names that checkpoint", step, self.store.location, name)
+                self._names[name] = step
+                return
+            self._saving += 1
+        try:
+            encoded = serialization.encode(checkpoint)
+            _, world = _common.dist_world()
+            try:
+                _common.commit_single_writer(
+                    self.store,
+                    step,
+                    [(SHARD_NAME, encoded)],
+                    progress={"global_step": step, "epoch": checkpoint.get("epoch")},
+                    run=self._run_identity(),
+                    topology={"writer": "global rank 0", "training_world_size": world},
+                    metadata={
+                        **self.metadata,
+                        "integration": "lightning",
+                        "lightning": {
+                            "name": name,
+                            "path": os.fspath(path),
+                            "version": checkpoint.get("pytorch-lightning_version"),
+                        },
+                    },
+                )
+            except CommitConflict as exc:
+                raise CommitConflict(
+                    f"Lightning checkpoint {name}: step {step} is already committed under "
+                    f"{self.store.location} by another run or attempt (resume from the latest "
+                    f"commit, or use a fresh run root): {exc}"
+                ) from exc
+            with self._lock:
+                self._known.add(step)
+                self._names[name] = step
+        finally:
+            with self._lock:
+                self._saving -= 1
+        self._collect_pending()
+
+    def _run_identity(self) -> dict[str, Any]:
+        try:
+            import lightning
+
+            version = getattr(lightning, "__version__", None)
+        except ImportError:  # pragma: no cover
+            version = None
+        run: dict[str, Any] = {"software": _common.software(lightning=version)}
+        if self.config_hash is not None:
+            run["config_hash"] = self.config_hash
+        return run
+
+    # ------------------------------------------------------------------ load
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint ``path`` names (see the module docstring), verified.
+
+        ``weights_only`` is accepted for Lightning's signature; loading is always pickle-free.
+        ``map_location``: None (tensors on CPU) or a device.
+
+        Raises:
+            NoCheckpointError: nothing committed matches ``path``, or the named step is damaged.
+            DistributedError: under ``collective_load``, a rank failed or ranks loaded different
+                steps (every rank raises).
+        """
+        if map_location is not None and (callable(map_location) or isinstance(map_location, dict)):
+            raise TypeError("ObjckptCheckpointIO.load_checkpoint: map_location must be None or a device")
+        step: int | None = None
+        error: BaseException | None = None
+        checkpoint: dict[str, Any] | None = None
+        try:
+            manifest, checkpoint = self._load(path)
+            step = manifest.step
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
+            error = exc
+        if self._collective_enabled():
+            report = {"step": step, "error": _common.error_report(error) if error else None}
+            self._collective.agree(report, _common.decide_restored, f"load_checkpoint({path})")
+        if error is not None:
+            raise error
+        assert checkpoint is not None and step is not None
+        with self._lock:
+            self._known.add(step)
+            self._names[os.path.basename(os.fspath(path))] = step
+        return _common.move_to(checkpoint, map_location)
+
+    def _collective_enabled(self) -> bool:
+        if self.collective_load is False:
+            return False
+        _, world = _common.dist_world()
+        return world > 1
+
+    def _load(self, path: Any) -> tuple[Manifest, dict[str, Any]]:
+        kind, value = self._resolve(path)
+        if kind == "latest":
+            return self.reader.restore(self._decode)
+        if kind == "step":
+            manifest = self.reader.load(value)
+        else:
+            manifest = self._find_by_name(value)
+        problems = self.reader.check(manifest)
+        if problems:
+            raise NoCheckpointError(
+                f"Lightning checkpoint {path!s} (step {manifest.step}) is damaged: "
+                + "; ".join(str(p) for p in problems)
+            )
+        try:
+            return manifest, self._decode(manifest)
+        except (IntegrityError, StoreError) as exc:
+            raise NoCheckpointError(
+                f"Lightning checkpoint {path!s} (step {manifest.step}) is damaged: {exc}"
+            ) from exc
+
+    def _resolve(self, path: Any) -> tuple[str, Any]:
+        text = os.fspath(path)
+        name = os.path.basename(text.rstrip("/"))
+        if name in LATEST_NAMES or (self.uri is not None and text.rstrip("/") == self.uri.rstrip("/")):
+            return "latest", None
+        step = step_from_path(name)
+        if step is not None:
+            return "step", step
+        with self._lock:
+            if name in self._names:
+                return "step", self._names[name]
+        return "name", name
+
+    def _find_by_name(self, name: str) -> Manifest:
+        for manifest in self.reader.candidates():
+            info = manifest.metadata.get("lightning")
+            if isinstance(info, dict) and info.get("name") == name:
+                return manifest
+        raise NoCheckpointError(f"no committed Lightning checkpoint named {name!r} under {self.store.location}")
+
+    def _decode(self, manifest: Manifest) -> dict[str, Any]:
+        from ..training import serialization
+
+        receipt = next((r for r in manifest.shards if r.name == SHARD_NAME), None)
+        if receipt is None:
+            raise NoCheckpointError(
+                f"step {manifest.step} under {self.store.location} is not a Lightning checkpoint "
+                f"(no {SHARD_NAME} shard)"
+            )
+        obj = serialization.decode_stream(self.reader.open_shard(receipt), total_size=receipt.size)
+        if not isinstance(obj, dict):
+            raise serialization.SerializationError(f"step {manifest.step}: {SHARD_NAME} does not hold a dict")
+        return obj
+
+    # ------------------------------------------------------------------ remove
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the commit ``path`` names, when it is safe (invariants 9 and 15).
+
+        The newest commit, the target of ``LATEST``, and every commit newer than the newest one
+        whose shards verify are never deleted; nor is anything while a save is in flight
+        (``AsyncCheckpointIO`` calls this before the save it just queued has committed). Such
+        removals are remembered and retried after the next commit. The manifest goes before its
+        shards. Failures are logged, not raised: checkpoints are intact either way.
+        """
+        name = os.path.basename(os.fspath(path))
+        kind, value = self._resolve(path)
+        if kind == "latest":
+            log.warning("not removing %s: it names the newest checkpoint", name)
+            return
+        if kind == "name":
+            try:
+                value = self._find_by_name(value).step
+            except (NoCheckpointError, StoreError) as exc:
+                log.info("nothing to remove for %s: %s", name, exc)
+                return
+        with self._lock:
+            self._pending_removal.add(int(value))
+            self._names.pop(name, None)
+        self._collect_pending()
+
+    def _collect_pending(self) -> None:
+        with self._lock:
+            if not self._pending_removal or self._saving:
+                return
+            pending = set(self._pending_removal)
+            try:
+                steps = set(self.reader.steps())
+                pending &= steps
+                plan = plan_gc(self.store, RetentionPolicy(keep_last=0, pinned=frozenset(steps - pending)))
+                plan.orphans.clear()  # only what Lightning asked for
+                plan.uploads.clear()
+                if plan.manifests:
+                    run_gc(self.store, plan)
+                remaining = set(self.reader.steps()) if plan.manifests else steps
+            except Exception as exc:  # noqa: BLE001 - deletion is best effort
+                log.warning("could not remove checkpoints %s under %s (kept): %s", sorted(pending), self.store.location, exc)
+                return
+            deleted = pending - remaining
+            self._pending_removal = pending & remaining
+            self._known -= deleted
+            for step in sorted(deleted):
+                log.info("removed checkpoint step %d under %s", step, self.store.location)
+            for step in sorted(self._pending_removal):
+                log.info("checkpoint step %d kept for now (%s); removed after a later commit",
+                         step, plan.kept.get(step, "not yet safe"))
+
+    def teardown(self) -> None:
+        """Retry pending removals; the store stays open (Lightning may fit again)."""
+        self._collect_pending()
