@@ -5,8 +5,11 @@ For one object of ``--size`` MiB it times, ``--runs`` times each, interleaved:
 * ``put``: ``S3Store.put_stream`` (bounded parallel multipart, per-part CRC32C) vs a bare boto3
   multipart loop (``upload_part`` in a thread pool of the same width and part size, botocore
   defaults otherwise) and, with ``--aio``, the same loop on aioboto3 (asyncio.gather, semaphore);
-* ``get``: ``S3Store.get`` (one GetObject), ``S3Store.get_stream`` (streamed, CRC32C-verified)
-  vs a bare parallel ranged-GET loop (part-sized ranges in a thread pool).
+* ``get``: ``S3Store.get`` (whole object as bytes) and ``S3Store.get_stream`` (chunks,
+  CRC32C-verified at the end) vs a bare parallel ranged-GET loop (part-sized ranges in a thread
+  pool, joined into one bytes object). Against moto pass ``--store-option read_concurrency=1``
+  or use the default server options (``MotoServer.store_options`` sets it): moto copies the
+  whole object for every ranged GET.
 
 and prints medians and objckpt/raw ratios (time; < 1 means objckpt was faster).
 
@@ -75,13 +78,14 @@ def raw_put(client, bucket: str, key: str, data: bytes, part: int, width: int) -
 
 
 def raw_get(client, bucket: str, key: str, size: int, part: int, width: int) -> int:
+    """Parallel ranged GETs joined into one bytes object, as ``S3Store.get`` returns."""
     def one(i: int) -> bytes:
         end = min(size, (i + 1) * part) - 1
         return client.get_object(Bucket=bucket, Key=key, Range=f"bytes={i * part}-{end}")["Body"].read()
 
     n = (size + part - 1) // part
     with ThreadPoolExecutor(width) as pool:
-        return sum(len(b) for b in pool.map(one, range(n)))
+        return len(b"".join(pool.map(one, range(n))))
 
 
 def aio_put(endpoint: str, bucket: str, key: str, data: bytes, part: int, width: int) -> None:
@@ -153,13 +157,12 @@ def main(argv: list[str] | None = None) -> int:
             srv = stack.enter_context(MotoServer() if args.server == "moto" else LocalStackServer())
             endpoint, server_name = srv.endpoint_url, f"{args.server} (started in {srv.startup_seconds:.1f}s)"
         create_bucket(endpoint, args.bucket)
-        options = {
+        options = dict(srv.store_options) if not args.endpoint else {
             "endpoint_url": endpoint,
             "access_key_id": DUMMY_CREDENTIALS["AWS_ACCESS_KEY_ID"],
             "secret_access_key": DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-            "part_size": str(part),
-            "max_in_flight": str(width),
         }
+        options.update(part_size=str(part), max_in_flight=str(width))
         options.update(dict(o.split("=", 1) for o in args.store_option))
         store = stack.enter_context(open_store(f"s3://{args.bucket}/bench", **options))
         client = raw_client(endpoint, pool=max(width, 10))
@@ -191,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
     print(f"\nserver: {server_name}; object {args.size} MiB, part {args.part_size} MiB, "
           f"{width} in flight, median of {args.runs} runs")
+    shown = {k: v for k, v in options.items()
+             if k not in ("access_key_id", "secret_access_key", "endpoint_url")}
+    print(f"S3Store options: {shown}")
     print(f"{'case':<26}{'median s':>10}{'MiB/s':>9}{'vs raw':>9}{'client cpu s':>14}  all runs s")
     for name, value in med.items():
         base = med["put raw boto3"] if name.startswith("put") else med["get raw ranged"]

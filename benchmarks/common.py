@@ -112,24 +112,18 @@ class Server:
     endpoint: str
     version: str
     startup_s: float
+    #: ``open_store`` options for this server, as its launcher class defines them
+    store_options: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         return f"{self.kind} {self.version}"
 
-    @property
-    def store_options(self) -> dict[str, str]:
-        from objckpt.testing.s3_servers import DUMMY_CREDENTIALS
 
-        opts = {
-            "endpoint_url": self.endpoint,
-            "access_key_id": DUMMY_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-            "secret_access_key": DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-            "region": DUMMY_CREDENTIALS["AWS_DEFAULT_REGION"],
-        }
-        if self.kind == "moto":  # see MotoServer.store_options
-            opts.update(conditional_writes="unsafe", verified_checksums="false")
-        return opts
+def _server_object(kind: str) -> Any:
+    from objckpt.testing.s3_servers import LocalStackServer, MotoServer
+
+    return LocalStackServer() if kind == "localstack" else MotoServer()
 
 
 def localstack_version() -> str:
@@ -146,22 +140,19 @@ def localstack_version() -> str:
 @contextlib.contextmanager
 def start_server(kind: str, endpoint: str | None = None) -> Iterator[Server]:
     """Start a local S3 server (or use ``endpoint``) with the benchmark bucket created."""
-    from objckpt.testing.s3_servers import LocalStackServer, MotoServer, create_bucket
+    from objckpt.testing.s3_servers import create_bucket
 
-    if endpoint:
-        version = localstack_version() if kind == "localstack" else _version("moto")
+    version = localstack_version() if kind == "localstack" else _version("moto")
+    if endpoint:  # a server someone else runs: same options as if we had started it
+        srv = _server_object(kind)
+        srv.port = int(endpoint.rsplit(":", 1)[1].strip("/"))
         create_bucket(endpoint, BUCKET)
-        yield Server(kind, endpoint, version, 0.0)
+        yield Server(kind, endpoint, version, 0.0, dict(srv.store_options))
         return
-    if kind == "localstack":
-        srv: Any = LocalStackServer()
-        version = localstack_version()
-    else:
-        srv = MotoServer()
-        version = _version("moto")
-    with srv:
+    with _server_object(kind) as srv:
         create_bucket(srv.endpoint_url, BUCKET)
-        yield Server(kind, srv.endpoint_url, version, srv.startup_seconds or 0.0)
+        yield Server(kind, srv.endpoint_url, version, srv.startup_seconds or 0.0,
+                     dict(srv.store_options))
 
 
 def localstack_available() -> bool:

@@ -152,6 +152,8 @@ class Bench:
         self.fp = fingerprint(self.model)
         self.client = boto_client(cfg["endpoint"], pool=max(self.width, 10))
         self.errors: dict[str, str] = {}
+        #: seconds until save_async returned (the part a training loop waits for)
+        self.async_blocking: list[float] = []
         # the tensors objckpt's manager gives this rank (equal sizes: round robin), as one blob
         params = list(self.model.parameters())
         mine = [p for i, p in enumerate(params) if i % self.ws == self.rank]
@@ -165,10 +167,10 @@ class Bench:
         return f"{self.tag}/w{self.ws}/{case}/run{run}"
 
     # -- objckpt
-    def _store(self, run: int) -> Any:
+    def _store(self, run: int, case: str = "objckpt") -> Any:
         from objckpt.store import open_store
 
-        return open_store(f"s3://{BUCKET}/{self.prefix('objckpt', run)}", **self.cfg["store_options"],
+        return open_store(f"s3://{BUCKET}/{self.prefix(case, run)}", **self.cfg["store_options"],
                           part_size=str(self.part), max_in_flight=str(self.width))
 
     def objckpt_save(self, run: int) -> Any:
@@ -250,10 +252,27 @@ class Bench:
         reader = S3StorageReader(REGION, path, s3client_config=S3ClientConfig(force_path_style=True))
         return None, (lambda: dcp.load(self.model.state_dict(), storage_reader=reader))
 
+    # -- objckpt async save (CheckpointManager.save_async, when it exists)
+    def objckpt_async_save(self, run: int) -> Any:
+        from objckpt.training.manager import CheckpointManager
+
+        if not hasattr(CheckpointManager, "save_async"):
+            raise NotImplementedError("CheckpointManager.save_async does not exist yet")
+        mgr = CheckpointManager(self._store(run, "objckpt_async"), keep_last=None)
+
+        def go() -> None:
+            t = time.perf_counter()
+            handle = mgr.save_async(run + 1, {"model": self.model})
+            self.async_blocking.append(time.perf_counter() - t)
+            _await(handle, mgr)
+            assert mgr.latest_step() == run + 1
+
+        return mgr, go
+
     # -- driver
     def one(self, case: str, op: str, run: int) -> tuple[float, float] | None:
         """Time one case/op (None if the case already failed; its error is kept)."""
-        if case in self.errors:
+        if case in self.errors or not hasattr(self, f"{case}_{op}"):
             return None
         res: Any = None
         try:
@@ -275,11 +294,27 @@ class Bench:
                 res.close()
 
     def cleanup(self, run: int) -> None:
+        prefixes = [self.prefix(c, run) + "/" for c in self.cfg["cases"]]
         self.world.barrier()
         if self.rank == 0:
-            for case in self.cfg["cases"]:
-                delete_prefix(self.client, BUCKET, self.prefix(case, run) + "/")
+            for prefix in prefixes:
+                delete_prefix(self.client, BUCKET, prefix)
         self.world.barrier()
+
+
+def _await(handle: Any, mgr: Any) -> None:
+    """Wait for an async save, whatever shape its handle has."""
+    for name in ("result", "wait", "join"):
+        fn = getattr(handle, name, None)
+        if callable(fn):
+            fn()
+            return
+    for name in ("wait", "wait_for_pending", "finalize", "flush"):
+        fn = getattr(mgr, name, None)
+        if callable(fn):
+            fn()
+            return
+    raise NotImplementedError(f"do not know how to wait for {type(handle).__name__}")
 
 
 def worker(cfg_path: str, rank: int) -> None:
@@ -316,6 +351,7 @@ def worker(cfg_path: str, rank: int) -> None:
             "state_bytes": state_bytes(bench.model),
             "n_tensors": cfg["n_tensors"],
             "times": times,
+            "async_blocking": bench.async_blocking,
             "errors": bench.errors,
         })
     world.close()

@@ -2,7 +2,7 @@
 
 Run (CPU, gloo)::
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 2 \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 --max-restarts 2 \\
         examples/train_torchrun.py --uri file:///tmp/objckpt-example --steps 40 --every 10 \\
         --crash-rank 1 --crash-at 27
 
@@ -13,9 +13,13 @@ the first run only; torchrun's agent stops the other ranks and restarts the job
 reports the steps lost. Rank 0 finally prints ``final step N params sha256 ...`` so two runs can be
 compared.
 
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: on torch 2.13 (CPU) a restarted job's gloo
-initialisation over torchrun's shared rendezvous store hung in most runs; a fresh store per
-restart does not.
+Launcher settings that make restarts reliable on torch 2.13 (CPU, gloo):
+
+* ``--standalone`` (or ``--rdzv-backend c10d --rdzv-endpoint HOST:PORT`` across nodes): the
+  default *static* rendezvous keeps one TCP store across restarts and restarted workers read the
+  previous round's gloo addresses, so ``init_process_group`` fails or hangs;
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the c10d rendezvous's shared store, a restarted
+  job's gloo initialisation hung in 10 of 13 runs; with a store per round it did not.
 
 Bitwise resume with DDP and more than 2 ranks: DDP rebuilds its gradient buckets after the first
 iteration of every process and the all-reduce's float sum order depends on the layout, so pass

@@ -31,6 +31,7 @@ import datetime as dt
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -84,7 +85,7 @@ class Matrix:
             out: sc.Outcome | str = fn()
         except Exception as exc:  # noqa: BLE001 - recorded as a failing cell
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            out = f"{type(exc).__name__}: {first[:300]}"
+            out = f"{type(exc).__name__}: {first[:500]}"
             if not isinstance(exc, AssertionError):
                 tb = traceback.extract_tb(exc.__traceback__)
                 where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb)
@@ -232,6 +233,16 @@ def pytest_section(m: Matrix, use_localstack: bool, timeout: float) -> None:
 # ---------------------------------------------------------------------------------- report
 
 
+def _normalise(failure: str) -> str:
+    """Failure text with run-specific ids and counts replaced, so identical causes group."""
+    f = re.sub(r"data/\d{20}-[0-9a-f]{16}/", "data/<step>-<attempt>/", failure)
+    f = re.sub(r"\b[0-9a-f]{16}\b", "<attempt>", f)
+    f = re.sub(r"chaos-[0-9a-f]{10}", "<root>", f)
+    f = re.sub(r"step \d+ attempt", "step N attempt", f)
+    f = re.sub(r"\d+ bytes read, \d+ more expected", "n bytes read, m more expected", f)
+    return f
+
+
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
@@ -356,8 +367,9 @@ def render(m: Matrix, args: argparse.Namespace, elapsed: float) -> str:
             if extra_col:
                 row += f" {_range([int(o.extra.get('faults', 0)) for o in outs])} |"
             lines.append(row)
-            for f in sorted(set(c.failures)):
-                bad.append(f"{c.scenario} on {c.backend} ({c.failures.count(f)}/{n}): {f}")
+            norm = [_normalise(f) for f in c.failures]
+            for f in sorted(set(norm)):
+                bad.append(f"{c.scenario} on {c.backend} ({norm.count(f)}/{n} trials): {f}")
         lines.append("")
         if group == "corrupt":
             lines += ["Warnings seen (first trial, one per fault, file://):", ""]

@@ -150,6 +150,17 @@ def decide_restored(reports: list[Any]) -> int | None:
     return agree_on_step({r: rep.get("step") for r, rep in enumerate(reports)})
 
 
+def agree_restored(collective: Collective, step: int | None, error: BaseException | None, what: str) -> int | None:
+    """Every rank reports the step it restored (or its error); all return the same step or all
+    raise. A single process raises its own error unchanged."""
+    if collective.world_size == 1:
+        if error is not None:
+            raise error
+        return step
+    report = {"step": step, "error": error_report(error) if error is not None else None}
+    return collective.agree(report, decide_restored, what)
+
+
 def commit_gathered(
     store: Store,
     step: int,

@@ -361,7 +361,7 @@ class ObjckptCheckpointEngine(_Base):
         )
         if chosen is None:
             return None
-        error = None
+        error: BaseException | None = None
         try:
             manifest = self.reader.load(int(chosen["step"]))
             chosen_tag = _tag_of(manifest)
@@ -373,11 +373,10 @@ class ObjckptCheckpointEngine(_Base):
                 os.makedirs(os.path.dirname(marker), exist_ok=True)
                 open(marker, "ab").close()  # noqa: SIM115 - an empty marker; never overwrites
             _write_atomic(os.path.join(load_dir, "latest"), chosen_tag)
-        except Exception as exc:  # noqa: BLE001 - every rank raises the same below
-            error = _common.error_report(exc)
-        self._collective.agree(
-            {"step": chosen["step"], "error": error}, _common.decide_restored,
-            f"load_checkpoint(tag={chosen['tag']}) preparation",
+        except Exception as exc:  # noqa: BLE001 - every rank raises alike
+            error = exc
+        _common.agree_restored(
+            self._collective, chosen["step"], error, f"load_checkpoint(tag={chosen['tag']}) preparation"
         )
         return str(chosen["tag"])
 
@@ -456,15 +455,15 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, **kwargs
     chosen = ckpt.prepare_load(load_dir, tag)
     if chosen is None:
         return None, None
-    error, result = None, (None, None)
+    error: BaseException | None = None
+    result: tuple[Any, Any] = (None, None)
     try:
         result = engine.load_checkpoint(load_dir, chosen, **kwargs)
         if result[0] is None:
-            error = f"DeepSpeed did not load tag {chosen}"
-    except Exception as exc:  # noqa: BLE001 - every rank raises alike below
-        error = _common.error_report(exc)
-    step = ckpt.step_of_tag(chosen)
-    ckpt._collective.agree({"step": step, "error": error}, _common.decide_restored, f"load_checkpoint(tag={chosen})")
+            error = NoCheckpointError(f"DeepSpeed did not load tag {chosen} from {load_dir}")
+    except Exception as exc:  # noqa: BLE001 - every rank raises alike
+        error = exc
+    _common.agree_restored(ckpt._collective, ckpt.step_of_tag(chosen), error, f"load_checkpoint(tag={chosen})")
     return result
 
 

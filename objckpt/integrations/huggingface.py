@@ -16,9 +16,10 @@ Saving: Trainer writes ``<output_dir>/checkpoint-<global_step>/`` (model, optimi
 every rank, with no barrier of its own. In ``on_save`` each rank uploads the files it owns
 (``rng_state_<r>.pth`` belongs to rank ``r``, every other file to rank 0, which wrote them; see
 ``owner_of``) as shards of one attempt; receipts (or each rank's error) are gathered to rank 0,
-which commits step ``global_step`` with ``world_size`` = the number of ranks; every rank returns
-or raises the same :class:`CommitError`. That gather is the barrier that makes rank 0 wait for
-every rank's files. Rank 0 then applies retention (``keep_last``) to the store; Trainer's own
+which checks that every file any rank saw in its folder was uploaded exactly once, then commits
+step ``global_step`` with ``world_size`` = the number of ranks; every rank returns or raises the
+same :class:`CommitError`. That gather is the barrier that makes rank 0 wait for every rank's
+files. Rank 0 then applies retention (``keep_last``) to the store; Trainer's own
 ``save_total_limit`` still governs the local folders.
 
 Resuming: :func:`download_checkpoint` picks the newest committed checkpoint whose shards pass the
@@ -41,7 +42,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import layout
-from ..errors import DistributedError, NoCheckpointError
+from ..errors import CommitError, DistributedError, NoCheckpointError
 from ..gc import RetentionPolicy, plan_gc, run_gc
 from ..manifest import Manifest
 from ..reader import Reader
@@ -133,16 +134,18 @@ class ObjckptCallback(_Base):
         attempt = comm.agree(hello, _decide_handshake, f"on_save(step={step}) handshake", handshake=True)
         try:
             writer = ShardWriter(self.store, step=step, attempt=attempt, rank=comm.rank)
-            for relpath in _files_under(folder):
+            seen = _files_under(folder)
+            for relpath in seen:
                 if self.owner_of(relpath, comm.world_size) == comm.rank:
                     with open(os.path.join(folder, *relpath.split("/")), "rb") as fh:
                         writer.write(relpath, fh)
-            report: dict[str, Any] = {"receipts": [r.to_dict() for r in writer.receipts]}
+            report: dict[str, Any] = {"receipts": [r.to_dict() for r in writer.receipts], "seen": seen}
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, raised on every rank
             log.error("rank %d failed to upload %s: %s", comm.rank, folder, exc)
             report = {"error": _common.error_report(exc)}
 
         def commit(reports: list[Any]) -> str:
+            _check_coverage(step, reports)
             manifest = _common.commit_gathered(
                 self.store, step, attempt, reports,
                 progress={"global_step": step, "epoch": state.epoch},
@@ -192,6 +195,35 @@ def _files_under(folder: str) -> list[str]:
             rel = os.path.relpath(os.path.join(dirpath, f), folder)
             out.append(rel.replace(os.sep, "/"))
     return sorted(out)
+
+
+def _check_coverage(step: int, reports: list[Any]) -> None:
+    """Rank 0, before committing: every file any rank saw was uploaded, exactly once. A file
+    whose owner did not see it (node-local disks and an ``owner_of`` that does not match who
+    wrote it) fails the commit instead of silently missing from the checkpoint."""
+    if any(rep.get("error") for rep in reports):
+        return  # commit_gathered reports the failing ranks
+    uploaded: dict[str, list[int]] = {}
+    for rank, rep in enumerate(reports):
+        for d in rep.get("receipts", []):
+            uploaded.setdefault(d["name"], []).append(rank)
+    failures: dict[int, list[str]] = {}
+    for rank, rep in enumerate(reports):
+        for name in rep.get("seen", []):
+            if name not in uploaded:
+                failures.setdefault(rank, []).append(
+                    f"{name!r} is in its checkpoint folder but no rank uploaded it (its owner does "
+                    "not see it: use a shared output_dir or pass owner_of=)"
+                )
+    for name, ranks in uploaded.items():
+        if len(ranks) > 1:
+            for rank in ranks:
+                failures.setdefault(rank, []).append(f"{name!r} uploaded by ranks {ranks}")
+    if failures:
+        raise CommitError(
+            f"step {step} not committed: the ranks' uploads do not cover the checkpoint folder",
+            {rank: "; ".join(why) for rank, why in failures.items()},
+        )
 
 
 def _decide_handshake(hellos: list[Any]) -> str:
@@ -244,17 +276,14 @@ def download_checkpoint(
         if chosen is None:
             return None
         folder = os.path.join(os.fspath(local_dir), chosen["folder"])
-        error = None
+        error: BaseException | None = None
         if collective.rank == 0 or not shared_dir:
             try:
                 manifest = reader.load(int(chosen["step"]))
                 _download(reader, manifest, folder)
-            except Exception as exc:  # noqa: BLE001 - every rank raises alike below
-                error = _common.error_report(exc)
-        collective.agree(
-            {"step": chosen["step"], "error": error}, _common.decide_restored,
-            f"download_checkpoint(step={chosen['step']})",
-        )
+            except Exception as exc:  # noqa: BLE001 - every rank raises alike
+                error = exc
+        _common.agree_restored(collective, chosen["step"], error, f"download_checkpoint(step={chosen['step']})")
         log.info("downloaded checkpoint step %s from %s to %s", chosen["step"], store.location, folder)
         return folder
     finally:

@@ -153,7 +153,8 @@ class ObjckptCheckpointIO(_CheckpointIO):
             )
         with self._lock:
             if step in self._known:
-                log.info("step %d is already committed under %s; %s names that checkpoint", step, self.store.location, name)
+                log.info("step %d is already committed under %s; %s names that checkpoint",
+                         step, self.store.location, name)
                 self._names[name] = step
                 return
             self._saving += 1
@@ -230,9 +231,8 @@ class ObjckptCheckpointIO(_CheckpointIO):
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
             error = exc
         if self._collective_enabled():
-            report = {"step": step, "error": _common.error_report(error) if error else None}
-            self._collective.agree(report, _common.decide_restored, f"load_checkpoint({path})")
-        if error is not None:
+            _common.agree_restored(self._collective, step, error, f"load_checkpoint({path})")
+        elif error is not None:
             raise error
         assert checkpoint is not None and step is not None
         with self._lock:
@@ -250,10 +250,7 @@ class ObjckptCheckpointIO(_CheckpointIO):
         kind, value = self._resolve(path)
         if kind == "latest":
             return self.reader.restore(self._decode)
-        if kind == "step":
-            manifest = self.reader.load(value)
-        else:
-            manifest = self._find_by_name(value)
+        manifest = self.reader.load(value) if kind == "step" else self._find_by_name(value)
         problems = self.reader.check(manifest)
         if problems:
             raise NoCheckpointError(
@@ -343,7 +340,8 @@ class ObjckptCheckpointIO(_CheckpointIO):
                     run_gc(self.store, plan)
                 remaining = set(self.reader.steps()) if plan.manifests else steps
             except Exception as exc:  # noqa: BLE001 - deletion is best effort
-                log.warning("could not remove checkpoints %s under %s (kept): %s", sorted(pending), self.store.location, exc)
+                log.warning("could not remove checkpoints %s under %s (kept): %s",
+                            sorted(pending), self.store.location, exc)
                 return
             deleted = pending - remaining
             self._pending_removal = pending & remaining

@@ -18,6 +18,7 @@ cannot honour raises :class:`NotSupportedError`; it never degrades to check-then
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -290,7 +291,11 @@ class Store(ABC):
             if progress:
                 progress(first.nbytes)
             return meta
-        return self._multipart(key, _chain(first, second, parts), mode, max_in_flight, progress)
+        # Hand the two parts read ahead over without keeping references here: a part must be
+        # freed as soon as its upload is done, or the memory bound grows by two parts.
+        head = [first, second]
+        del first, second
+        return self._multipart(key, _chain(head, parts), mode, max_in_flight, progress)
 
     def _multipart(
         self,
@@ -306,19 +311,22 @@ class Store(ABC):
         in_flight: set[Future[PartResult]] = set()
         pool = self._executor()
         try:
-            for number, part in enumerate(parts, start=1):
-                # Bound memory: wait for a slot before taking the next part off the source.
+            for number in itertools.count(1):
+                # Bound memory: wait for a slot before taking the next part off the source, so
+                # at most max_in_flight parts exist plus the one the source is assembling.
                 while len(in_flight) >= max_in_flight:
                     done, in_flight = _wait_first(in_flight)
                     results.extend(_collect(done, progress))
+                part = next(parts, None)
+                if part is None:
+                    break
                 offset = whole.size
                 whole.update(part)
-                in_flight.add(
-                    pool.submit(
-                        self._call, self._upload_part, handle, number, offset, part,
-                        crc32c_b64(part),
-                    )
-                )
+                crc = crc32c_b64(part)
+                # The task takes the part out of its holder, so the buffer is released when the
+                # upload returns, not when the pool gets round to dropping the task's arguments.
+                in_flight.add(pool.submit(self._upload_held, handle, number, offset, [part], crc))
+                del part
             while in_flight:
                 done, in_flight = _wait_first(in_flight)
                 results.extend(_collect(done, progress))
@@ -333,6 +341,12 @@ class Store(ABC):
             except Exception:  # the original error matters more; GC sweeps leftovers
                 pass
             raise
+
+    def _upload_held(
+        self, handle: UploadHandle, number: int, offset: int, holder: list[memoryview], crc: str
+    ) -> PartResult:
+        data = holder.pop()
+        return self._call(self._upload_part, handle, number, offset, data, crc)
 
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
         """Whole object, or bytes ``[start, end)`` of it.
@@ -534,9 +548,10 @@ def _iter_file_parts(fileobj: IO[bytes], part_size: int) -> Iterator[memoryview]
             return
 
 
-def _chain(first: memoryview, second: memoryview, rest: Iterator[memoryview]) -> Iterator[memoryview]:
-    yield first
-    yield second
+def _chain(head: list[memoryview], rest: Iterator[memoryview]) -> Iterator[memoryview]:
+    """``head``'s parts, then ``rest``'s; keeps no reference to a part it has handed out."""
+    while head:
+        yield head.pop(0)
     yield from rest
 
 

@@ -55,7 +55,7 @@ import re
 import threading
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
 import boto3
@@ -451,6 +451,8 @@ class S3Store(Store):
             raise ConfigError(f"read_concurrency must be >= 1, got {read_concurrency}")
         self._bucket_checked = False
         self._bucket_lock = threading.Lock()
+        self._read_pool: ThreadPoolExecutor | None = None
+        self._read_pool_lock = threading.Lock()
         if client is not None:
             self._client = client
             return
@@ -788,7 +790,7 @@ class S3Store(Store):
         pos = first_stop
         if pos >= stop:
             return
-        pool = self._executor()
+        pool = self._read_executor()
         pending: deque[Future[bytes]] = deque()
         try:
             while pending or pos < stop:
@@ -800,6 +802,16 @@ class S3Store(Store):
         finally:
             for fut in pending:
                 fut.cancel()
+
+    def _read_executor(self) -> ThreadPoolExecutor:
+        # Reads get their own threads: a task on the upload pool never waits for one here, and
+        # a put_stream fed by a get_stream of the same store cannot starve either side.
+        with self._read_pool_lock:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(
+                    max_workers=self.read_concurrency, thread_name_prefix="objckpt-s3-read"
+                )
+            return self._read_pool
 
     def _get_range(self, key: str, start: int, end: int, etag: str | None) -> bytes:
         kwargs: dict[str, Any] = {"Key": self._full(key), "Range": f"bytes={start}-{end - 1}"}
@@ -885,6 +897,10 @@ class S3Store(Store):
             kwargs["ContinuationToken"] = token
 
     def _close(self) -> None:
+        with self._read_pool_lock:
+            if self._read_pool is not None:
+                self._read_pool.shutdown(wait=True)
+                self._read_pool = None
         close = getattr(self._client, "close", None)
         if close is not None:
             close()

@@ -48,10 +48,21 @@ _live_lock = threading.Lock()
 
 def _stop_all_at_exit() -> None:
     with _live_lock:
-        servers = list(_live)
+        # a forked child inherits this set; only the process that started a server stops it
+        servers = [s for s in _live if s._owner_pid == os.getpid()]
     for server in servers:
         with contextlib.suppress(Exception):
             server.stop()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM the server when the thread that started it dies (even by SIGKILL, which
+    skips atexit). Elsewhere a no-op."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 atexit.register(_stop_all_at_exit)
@@ -114,6 +125,10 @@ class _ServerProcess:
                  startup_timeout: float | None = None, env: dict[str, str] | None = None) -> None:
         self.host = "127.0.0.1"
         self.extra_env = dict(env or {})
+        #: end the server if the starting thread's process dies without stopping it (Linux);
+        #: set False to start a server from a short-lived thread
+        self.die_with_parent = True
+        self._owner_pid = os.getpid()
         self._fixed_port = port
         self.port = 0
         self.startup_timeout = startup_timeout or self.startup_timeout
@@ -170,6 +185,7 @@ class _ServerProcess:
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self._log_path, "ab")  # a file, not a pipe: a pipe fills and blocks
         self._started_at = time.monotonic()
+        self._owner_pid = os.getpid()
         self.proc = subprocess.Popen(
             self._command(),
             env=self._env(),
@@ -177,6 +193,7 @@ class _ServerProcess:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() ends its children too
+            preexec_fn=_die_with_parent if self.die_with_parent and sys.platform == "linux" else None,
         )
         with _live_lock:
             _live.add(self)

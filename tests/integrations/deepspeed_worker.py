@@ -89,7 +89,8 @@ def main(root: str, out: str) -> None:
         ckpt.cleanup()
         assert after_save == ([] if decoupled else [3]) and committed == [3], (after_save, committed)
         local = sorted(os.listdir(f"{out}/scratch-save-{stage}-{rank}"))
-        assert not any(f.endswith(".pt") for _, _, fs in os.walk(f"{out}/scratch-save-{stage}-{rank}") for f in fs), local
+        scratch = f"{out}/scratch-save-{stage}-{rank}"
+        assert not any(f.endswith(".pt") for _, _, fs in os.walk(scratch) for f in fs), local
 
         fresh = make(stage, seed=2)
         ObjckptCheckpointEngine.attach(fresh, run_root)
@@ -101,7 +102,8 @@ def main(root: str, out: str) -> None:
         resumed = state(fresh)
         bad_resume = [k for k in expected if not torch.equal(expected[k], resumed[k])]
         report[f"zero{stage}"] = {
-            "after_save": after_save, "committed": committed, "local": local, "load_path": load_path, "global_steps": fresh.global_steps,
+            "after_save": after_save, "committed": committed, "local": local,
+            "load_path": load_path, "global_steps": fresh.global_steps,
             "n_tensors": len(saved), "bad_load": bad_load, "bad_resume": bad_resume,
         }
         assert not bad_load and not bad_resume, report

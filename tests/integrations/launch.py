@@ -8,6 +8,7 @@ with every rank's log tail.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -85,10 +86,8 @@ def run_ranks(
         except subprocess.TimeoutExpired:
             hung.append(rank)
     for rank in hung:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(procs[rank].pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         procs[rank].wait(10)
     if hung:
         detail = "\n".join(f"--- rank {r} ---\n{_tail(logs[r])}" for r in range(world_size))

@@ -51,6 +51,7 @@ def main(root: str, out: str, mode: str) -> None:
             "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
             "optimizer": copy.deepcopy(opt.state_dict()),
             "lr": opt.param_groups[0]["lr"],
+            "scheduler": copy.deepcopy(module.trainer.lr_scheduler_configs[0].scheduler.state_dict()),
         }
 
     g = torch.Generator().manual_seed(0)

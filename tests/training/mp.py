@@ -1,4 +1,4 @@
-"""Launch a small gloo world of spawned processes for a test, bounded by a timeout."""
+"""Launch a small gloo world of processes for a test, bounded by a timeout."""
 
 from __future__ import annotations
 
@@ -40,12 +40,15 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[int | None]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in one gloo
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one gloo
     group; return their exit codes (negative: killed by that signal). Processes still running
     after ``timeout`` seconds are killed and the test fails."""
     import time
 
-    ctx = mp.get_context("spawn")
+    # forkserver: one server process imports torch once and forks every rank from it (a spawned
+    # rank would spend seconds importing torch); nothing of pytest's threads is inherited
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tests.training.workers"])
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args), daemon=True) for r in range(world_size)]
     for p in procs:

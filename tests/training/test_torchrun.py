@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from .mp import free_port
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,8 +21,10 @@ def _torchrun(tmp: Path, name: str, *extra: str) -> subprocess.CompletedProcess[
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", "2", "--max-restarts", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        # --standalone: c10d rendezvous on a free local port, a fresh key prefix per restart
+        # round (torch 2.13's static rendezvous hands restarted workers the previous round's
+        # gloo addresses: init_process_group fails or hangs)
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
         str(SCRIPT), "--uri", f"file://{tmp}/{name}", "--steps", "40", "--every", "10",
         "--status-file", str(tmp / f"{name}.status"), *extra,
     ]

@@ -1,0 +1,158 @@
+"""A save streams with bounded memory: a state much larger than ``part_size x max_in_flight`` never
+costs more than ``part_size x (max_in_flight + 1)`` of extra heap (the bound ``Store.put_stream``
+documents), whatever its size.
+
+Measured with tracemalloc, which sees every buffer objckpt allocates (parts assembled from
+several source buffers are ``bytearray`` s) but not the source's own memory (allocated before
+tracing starts; tensors live outside the Python heap anyway). The source is shaped like a
+serialized state, a small header followed by part-sized arrays, so that *every* part straddles
+two source buffers and has to be assembled: the worst case for the bound.
+
+* ``file://``: the peak of traced allocations during the whole save (the store writes each part
+  to disk and keeps nothing in memory).
+* ``memory://``: the store itself keeps every part it receives (that is its storage, not a
+  client buffer), so the test's store subclass samples, as each part arrives, the traced heap
+  minus what the store already holds; the overall peak is also checked against
+  ``2 x size + bound`` (the parts, plus the object they are joined into at completion).
+
+A memory bound, not a timing: it holds on a loaded machine too.
+"""
+
+from __future__ import annotations
+
+import threading
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from objckpt import layout
+from objckpt.commit import Coordinator
+from objckpt.reader import Reader
+from objckpt.store.base import PartResult, UploadHandle
+from objckpt.store.local import LocalStore
+from objckpt.store.memory import MemoryStore
+from objckpt.writer import ShardWriter
+
+MiB = 1024 * 1024
+PART = 1 * MiB
+IN_FLIGHT = 2
+STATE = 64 * MiB  # 32x part_size x max_in_flight
+#: what put_stream promises: part_size x (max_in_flight + 1)
+BOUND = PART * (IN_FLIGHT + 1)
+#: small Python objects (futures, receipts, retry state, thread-pool bookkeeping)
+SLACK = 512 * 1024
+
+
+def _state_source(backing: memoryview, header_len: int = 1000) -> Iterator[memoryview]:
+    """A header of ``header_len`` bytes, then part-sized arrays: every part spans two buffers."""
+    yield backing[:header_len]
+    for start in range(header_len, backing.nbytes, PART):
+        yield backing[start : start + PART]
+
+
+def _save(store, backing: memoryview) -> None:
+    """One complete save through the protocol core: a rank's shard, then the commit."""
+    attempt = layout.new_attempt_id()
+    writer = ShardWriter(store, step=1, attempt=attempt, rank=0, part_size=PART,
+                         max_in_flight=IN_FLIGHT)
+    writer.write("state.bin", _state_source(backing))
+    Coordinator(store, world_size=1).commit(1, attempt, {0: writer.receipts})
+
+
+def _backing() -> memoryview:
+    data = bytearray(STATE)
+    for i in range(0, STATE, 4096):  # not all zeros; cheap
+        data[i] = (i // 4096) & 0xFF
+    return memoryview(data)
+
+
+class _SamplingMemoryStore(MemoryStore):
+    """memory:// that records, as each part arrives, the traced heap minus what it retains."""
+
+    def __init__(self, location: str) -> None:
+        super().__init__(location, part_size=PART, max_in_flight=IN_FLIGHT)
+        self.retained = 0
+        self.samples: list[int] = []
+        self._sample_lock = threading.Lock()
+
+    def _upload_part(
+        self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
+    ) -> PartResult:
+        with self._sample_lock:
+            self.samples.append(tracemalloc.get_traced_memory()[0] - self.retained)
+        result = super()._upload_part(handle, part_number, offset, data, crc32c)
+        with self._sample_lock:
+            self.retained += data.nbytes
+        return result
+
+
+def test_file_store_save_peak_heap_is_bounded(tmp_path: Path) -> None:
+    store = LocalStore(str(tmp_path / "root"), part_size=PART, max_in_flight=IN_FLIGHT)
+    backing = _backing()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        _save(store, backing)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    manifest = Reader(store).latest()
+    assert manifest is not None and manifest.total_size == STATE
+    assert manifest.shards[0].parts == STATE // PART
+    assert peak < BOUND + SLACK, (
+        f"saving {STATE // MiB} MiB with {PART // MiB} MiB parts x {IN_FLIGHT} in flight peaked at "
+        f"{peak / MiB:.2f} MiB of extra heap; the bound is {BOUND / MiB:.0f} MiB"
+    )
+    store.close()
+
+
+def test_memory_store_save_client_heap_is_bounded() -> None:
+    store = _SamplingMemoryStore("mem-bound")
+    backing = _backing()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        _save(store, backing)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert Reader(store).latest() is not None
+    assert len(store.samples) == STATE // PART
+    client = max(store.samples) - base
+    assert client < BOUND + SLACK, (
+        f"client-side buffers reached {client / MiB:.2f} MiB while saving {STATE // MiB} MiB; "
+        f"the bound is {BOUND / MiB:.0f} MiB"
+    )
+    # the store's own copy (parts, then the joined object) is all the rest
+    assert peak < 2 * STATE + BOUND + SLACK, f"peak {peak / MiB:.1f} MiB"
+
+
+def test_checkpoint_manager_save_peak_heap_is_bounded(tmp_path: Path) -> None:
+    """The training layer streams tensors the same way: 16 tensors of 4 MiB, 1 MiB parts."""
+    torch = pytest.importorskip("torch")
+    from objckpt.store import open_store
+    from objckpt.training.manager import CheckpointManager
+
+    params = [torch.full((MiB,), float(i)) for i in range(16)]  # 16 x 4 MiB, outside the heap
+    model = torch.nn.ParameterList([torch.nn.Parameter(p, requires_grad=False) for p in params])
+    store = open_store(f"file://{tmp_path / 'run'}", part_size=str(PART),
+                       max_in_flight=str(IN_FLIGHT))
+    with CheckpointManager(store, keep_last=None) as mgr:
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            mgr.save(1, {"model": model})
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        assert mgr.latest_step() == 1
+    store.close()
+    assert peak < BOUND + SLACK, (
+        f"CheckpointManager.save of 64 MiB peaked at {peak / MiB:.2f} MiB of extra heap; "
+        f"the bound is {BOUND / MiB:.0f} MiB"
+    )
