@@ -21,11 +21,67 @@ from .errors import (
     StoreError,
     TransientError,
 )
+from .commit import Coordinator
+from .gc import RetentionPolicy, plan_gc, run_gc
+from .manifest import Manifest, ShardReceipt
+from .metrics import (
+    BaseMetricsCallback,
+    CheckpointMetrics,
+    JsonLogCallback,
+    MetricsCallback,
+    PrometheusExporter,
+)
+from .planner import suggest_interval
+from .reader import Reader
+from .replicate import replicate
 from .store import ObjectMeta, PutMode, Store, open_store
+from .writer import ShardWriter
+
+# The torch integration is imported on first use, so `import objckpt` works without torch.
+_LAZY = {
+    "CheckpointManager": "objckpt.training.manager",
+    "ResumableDistributedSampler": "objckpt.training.sampler",
+    "ObjckptStorageWriter": "objckpt.training.dcp",
+    "ObjckptStorageReader": "objckpt.training.dcp",
+    "save_sharded": "objckpt.training.dcp",
+    "async_save_sharded": "objckpt.training.dcp",
+    "load_sharded": "objckpt.training.dcp",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'objckpt' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BaseMetricsCallback",
+    "CheckpointManager",
+    "CheckpointMetrics",
+    "Coordinator",
+    "JsonLogCallback",
+    "Manifest",
+    "MetricsCallback",
+    "ObjckptStorageReader",
+    "ObjckptStorageWriter",
+    "PrometheusExporter",
+    "Reader",
+    "ResumableDistributedSampler",
+    "RetentionPolicy",
+    "ShardReceipt",
+    "ShardWriter",
+    "async_save_sharded",
+    "load_sharded",
+    "plan_gc",
+    "replicate",
+    "run_gc",
+    "save_sharded",
+    "suggest_interval",
     "AlreadyExistsError",
     "ChecksumMismatchError",
     "CommitConflict",
