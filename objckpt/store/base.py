@@ -30,7 +30,13 @@ from typing import IO, Any, ClassVar, Literal, Union
 
 from .._crc import Buffer, Crc32c, crc32c_b64, encode_crc32c
 from .._retry import RetryPolicy
-from ..errors import ChecksumMismatchError, ConfigError, NotSupportedError, TransientError
+from ..errors import (
+    AlreadyExistsError,
+    ChecksumMismatchError,
+    ConfigError,
+    NotSupportedError,
+    TransientError,
+)
 
 BytesSource = Union[Buffer, Iterable[Buffer], IO[bytes]]
 """What ``put_stream`` accepts: one buffer, an iterable of buffers, or a binary file object."""
@@ -255,7 +261,24 @@ class Store(ABC):
         """
         view = memoryview(data).cast("B")
         self._check_mode(mode, key)
-        return self._call(self._put, key, view, mode, crc32c_b64(view))
+        crc = crc32c_b64(view)
+        tries = 0
+
+        def attempt() -> ObjectMeta:
+            nonlocal tries
+            tries += 1
+            return self._put(key, view, mode, crc)
+
+        try:
+            return self._call(attempt)
+        except AlreadyExistsError:
+            # A create retried after a transient error may have landed the first time (the
+            # response was lost). The same size and CRC32C means the object is our own bytes.
+            if tries > 1:
+                meta = self._call(self._head, key)
+                if meta.size == view.nbytes and meta.crc32c == crc:
+                    return meta
+            raise
 
     def put_stream(
         self,
@@ -377,6 +400,7 @@ class Store(ABC):
         """
         crc = Crc32c()
         retries = 0
+        streak_started = time.monotonic()
         while True:
             resumed_at = crc.size
             try:
@@ -390,10 +414,18 @@ class Store(ABC):
                     yield chunk
                 break
             except TransientError as exc:
-                # A resume that made progress earns a fresh budget: a long download may meet
-                # several unrelated resets. One that made none counts against the policy.
-                retries = 1 if crc.size > resumed_at else retries + 1
-                if retries >= self.retry.max_attempts:
+                # A resume that delivered a real amount of data earns a fresh budget: a long
+                # download may meet several unrelated resets. One that delivered little or
+                # nothing counts against the policy's attempts and deadline.
+                if crc.size - resumed_at >= DEFAULT_READ_CHUNK:
+                    retries = 0
+                if retries == 0:
+                    streak_started = time.monotonic()
+                retries += 1
+                if (
+                    retries >= self.retry.max_attempts
+                    or time.monotonic() - streak_started > self.retry.deadline
+                ):
                     raise
                 self._notify_retry(exc, retries)
                 time.sleep(self.retry.backoff(retries))

@@ -65,6 +65,7 @@ from botocore.config import Config
 from ..errors import (
     AlreadyExistsError,
     ConfigError,
+    InvalidKeyError,
     NotFoundError,
     NotSupportedError,
     PermissionDeniedError,
@@ -364,7 +365,8 @@ class S3Store(Store):
     Raises (from every method): :class:`TransientError` (retried by the store's policy),
     :class:`PermissionDeniedError`, :class:`NotFoundError` (key, upload or bucket missing),
     :class:`AlreadyExistsError` / :class:`PreconditionFailedError` (conditional write lost),
-    :class:`StoreError` (any other rejection, e.g. a checksum the server refused).
+    :class:`StoreError` (any other rejection, e.g. a checksum the server refused),
+    :class:`InvalidKeyError` (a key with an empty, ``.`` or ``..`` segment; no request made).
     """
 
     scheme = "s3"
@@ -544,6 +546,18 @@ class S3Store(Store):
     def _full(self, key: str) -> str:
         return self._root + key
 
+    def _key(self, key: str) -> str:
+        """The full S3 key of an object key; refuses keys that could name something outside
+        the root on a server that normalises paths (``..``), or that no filesystem store could
+        hold (empty segments), so a checkpoint stays portable between backends."""
+        segments = key.split("/")
+        if not key or any(seg in ("", ".", "..") for seg in segments):
+            raise InvalidKeyError(
+                "object keys are relative, with no empty, '.' or '..' segments",
+                key=key, location=self.location,
+            )
+        return self._root + key
+
     def _rel(self, full_key: str) -> str:
         return full_key[len(self._root) :] if full_key.startswith(self._root) else full_key
 
@@ -577,7 +591,7 @@ class S3Store(Store):
         """PutObject with the CRC32C the server verifies; atomic; conditional per ``mode``."""
         resp = self._request(
             "put", key, self._client.put_object, mode=mode,
-            Key=self._full(key), Body=_body(data), ContentLength=data.nbytes,
+            Key=self._key(key), Body=_body(data), ContentLength=data.nbytes,
             ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c, **self._conditions(mode),
         )
         return ObjectMeta(key=key, size=data.nbytes, version=_quoted(resp.get("ETag")), crc32c=crc32c)
@@ -587,7 +601,7 @@ class S3Store(Store):
         if self.checksum_type == "full_object":
             extra["ChecksumType"] = "FULL_OBJECT"
         resp = self._request("create_upload", key, self._client.create_multipart_upload,
-                             Key=self._full(key), **extra)
+                             Key=self._key(key), **extra)
         return UploadHandle(key=key, mode=mode, upload_id=resp["UploadId"])
 
     def _upload_part(
@@ -600,7 +614,7 @@ class S3Store(Store):
             )
         resp = self._request(
             "upload_part", handle.key, self._client.upload_part,
-            Key=self._full(handle.key), UploadId=handle.upload_id, PartNumber=part_number,
+            Key=self._key(handle.key), UploadId=handle.upload_id, PartNumber=part_number,
             Body=_body(data), ContentLength=data.nbytes,
             ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c,
         )
@@ -628,7 +642,7 @@ class S3Store(Store):
         try:
             resp = self._request(
                 "complete_upload", handle.key, self._client.complete_multipart_upload,
-                mode=handle.mode, Key=self._full(handle.key), UploadId=handle.upload_id,
+                mode=handle.mode, Key=self._key(handle.key), UploadId=handle.upload_id,
                 MultipartUpload=body, **extra,
             )
         except (AlreadyExistsError, PreconditionFailedError, NotFoundError):
@@ -683,7 +697,7 @@ class S3Store(Store):
         """DeleteObjects (Quiet); a per-key failure raises the mapped error for that key."""
         resp = self._request(
             "delete", keys[0] if len(keys) == 1 else "", self._client.delete_objects,
-            Delete={"Objects": [{"Key": self._full(k)} for k in keys], "Quiet": True},
+            Delete={"Objects": [{"Key": self._key(k)} for k in keys], "Quiet": True},
         )
         errors = [e for e in resp.get("Errors", []) or [] if e.get("Code") != "NoSuchKey"]
         if not errors:
@@ -711,7 +725,7 @@ class S3Store(Store):
         """Bytes ``[start, end)``: one GetObject, or parallel ranged GETs for large reads."""
         if self.read_concurrency > 1 and (end is None or end - start > self.part_size):
             return b"".join(self._read_parallel(key, start, end))
-        kwargs: dict[str, Any] = {"Key": self._full(key)}
+        kwargs: dict[str, Any] = {"Key": self._key(key)}
         if start or end is not None:
             kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         try:
@@ -733,7 +747,7 @@ class S3Store(Store):
         if self.read_concurrency > 1:
             yield from self._read_parallel(key, start, None)
             return
-        kwargs: dict[str, Any] = {"Key": self._full(key)}
+        kwargs: dict[str, Any] = {"Key": self._key(key)}
         if start:
             kwargs["Range"] = f"bytes={start}-"
         try:
@@ -777,7 +791,7 @@ class S3Store(Store):
         size = self.part_size
         first_stop = start + size if end is None else min(end, start + size)
         try:
-            resp = self._request("get", key, self._client.get_object, Key=self._full(key),
+            resp = self._request("get", key, self._client.get_object, Key=self._key(key),
                                  Range=f"bytes={start}-{first_stop - 1}")
         except StoreError as exc:
             if _is_invalid_range(exc):
@@ -814,7 +828,7 @@ class S3Store(Store):
             return self._read_pool
 
     def _get_range(self, key: str, start: int, end: int, etag: str | None) -> bytes:
-        kwargs: dict[str, Any] = {"Key": self._full(key), "Range": f"bytes={start}-{end - 1}"}
+        kwargs: dict[str, Any] = {"Key": self._key(key), "Range": f"bytes={start}-{end - 1}"}
         if etag:
             kwargs["IfMatch"] = etag
         try:
@@ -834,7 +848,7 @@ class S3Store(Store):
     def _head(self, key: str) -> ObjectMeta:
         """HeadObject with checksum mode on; ``crc32c`` is the full-object value or ``None``."""
         try:
-            resp = self._request("head", key, self._client.head_object, Key=self._full(key),
+            resp = self._request("head", key, self._client.head_object, Key=self._key(key),
                                  ChecksumMode="ENABLED")
         except NotFoundError as exc:
             # HEAD responses have no body, so a missing bucket looks like a missing key.

@@ -134,6 +134,7 @@ class _ServerProcess:
         self.startup_timeout = startup_timeout or self.startup_timeout
         self._log_path = Path(log_path) if log_path else None
         self._log_file: Any = None
+        self._temp_log = False
         self.proc: subprocess.Popen[bytes] | None = None
         #: seconds from spawn to the first healthy answer (benchmarks report it)
         self.startup_seconds: float | None = None
@@ -182,6 +183,7 @@ class _ServerProcess:
             fd, path = tempfile.mkstemp(prefix=f"objckpt-{self.name}-", suffix=".log")
             os.close(fd)
             self._log_path = Path(path)
+            self._temp_log = True  # ours: removed by stop()
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self._log_path, "ab")  # a file, not a pipe: a pipe fills and blocks
         self._started_at = time.monotonic()
@@ -240,6 +242,10 @@ class _ServerProcess:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self._temp_log and self._log_path is not None:
+            with contextlib.suppress(OSError):
+                self._log_path.unlink()
+            self._log_path, self._temp_log = None, False
 
     def __enter__(self) -> Any:
         return self.start()

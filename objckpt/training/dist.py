@@ -120,10 +120,11 @@ class DistComm(Comm):
         except Exception as exc:
             limit = self.handshake_timeout if handshake else self.timeout
             self._broken = f"{what} failed on rank {self.rank}: {exc}"
+            first = str(exc).splitlines()[0] if str(exc) else ""
             raise DistributedError(
-                f"{what} did not complete on rank {self.rank} within {limit:g}s (did every rank call "
-                f"it? a save or restore must be called by all {self.world_size} ranks): "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                f"{what} failed on rank {self.rank}: a rank died, or not every rank called it "
+                f"within {limit:g}s (save and restore must be called by all {self.world_size} "
+                f"ranks): {type(exc).__name__}: {first}"
             ) from exc
 
     def gather(self, obj: Any, what: str, *, handshake: bool = False) -> list[Any] | None:

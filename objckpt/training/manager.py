@@ -27,6 +27,14 @@ commits (:class:`objckpt.commit.Coordinator`); the outcome is broadcast so every
 the same manifest or raises the same :class:`CommitError`. Then rank 0 applies retention
 (:mod:`objckpt.gc`), which never deletes the previous checkpoint before the new one is committed
 and verified.
+
+Bitwise resume (invariant 14) holds for CPU runs with the same world size, given deterministic
+collectives. One trap outside objckpt: DDP rebuilds its gradient-bucket layout after the first
+iteration of every process, and with more than 2 ranks the all-reduce's float sum order depends
+on the layout, so a restarted DDP job's first step differs in the last bits from the
+uninterrupted job's. Pin the layout (``find_unused_parameters=True`` disables the rebuild) when
+bitwise equality matters. Likewise give each ``DataLoader`` its own ``generator=``: it draws a
+seed per iterator from the global torch RNG otherwise.
 """
 
 from __future__ import annotations
@@ -159,6 +167,7 @@ class CheckpointManager:
         self.fallbacks: list[tuple[int, str]] = []
         #: bytes written by this rank and seconds taken by the last save
         self.last_save: dict[str, Any] = {}
+        self._coordinator: Coordinator | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -297,14 +306,14 @@ class CheckpointManager:
             if verdict.get("ok"):
                 break
             why = "; ".join(f"rank {r}: {m}" for r, m in sorted(verdict["damaged"].items(), key=lambda kv: int(kv[0])))
+            if step is not None:  # an explicit step: no fallback
+                raise NoCheckpointError(f"checkpoint step {target} under {self.store.location} is damaged: {why}")
             log.warning(
                 "checkpoint step %d under %s is damaged, falling back to an older one (all ranks): %s",
                 target, self.store.location, why,
             )
             self.fallbacks.append((target, why))
             rejected.append(f"step {target}: {why}")
-            if step is not None:
-                raise NoCheckpointError(f"checkpoint step {target} under {self.store.location} is damaged: {why}")
 
         assert staged is not None
         self._check_identity(manifest)
@@ -432,7 +441,9 @@ class CheckpointManager:
                 receipts[rank] = rep["error"]
             else:
                 receipts[rank] = [ShardReceipt.from_dict(d, key=f"rank {rank} receipt") for d in rep["receipts"]]
-        coordinator = Coordinator(self.store, world_size=self.world_size)
+        if self._coordinator is None:  # once: its construction checks (and warns about) the store
+            self._coordinator = Coordinator(self.store, world_size=self.world_size)
+        coordinator = self._coordinator
         software = {"torch": torch.__version__, "python": platform.python_version()}
         try:
             import numpy

@@ -213,14 +213,12 @@ def capture_global_rng() -> dict[str, Any]:
 
 
 def restore_global_rng(state: Mapping[str, Any]) -> None:
-    """Set the global RNGs captured by :func:`capture_global_rng` (call LAST when restoring)."""
-    random.setstate(_python_state(state["python"]))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        if np is None:
-            raise TrainingStateError("the checkpoint holds NumPy RNG state but NumPy is not installed")
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys, int(pos), int(has_gauss), float(cached)))
+    """Set the global RNGs captured by :func:`capture_global_rng` (call LAST when restoring).
+
+    Raises:
+        TrainingStateError: the state holds CUDA (or NumPy) RNG state this process cannot take;
+            checked before any generator is set.
+    """
     cuda = state.get("cuda")
     if cuda:
         if not torch.cuda.is_available():
@@ -232,16 +230,25 @@ def restore_global_rng(state: Mapping[str, Any]) -> None:
                 f"the checkpoint holds RNG state for {len(cuda)} CUDA device(s), this process sees "
                 f"{torch.cuda.device_count()}"
             )
+    if "numpy" in state and np is None:
+        raise TrainingStateError("the checkpoint holds NumPy RNG state but NumPy is not installed")
+    random.setstate(_python_state(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys, int(pos), int(has_gauss), float(cached)))
+    if cuda:
         torch.cuda.set_rng_state_all(cuda)
 
 
 def _check_global_rng(state: Any) -> None:
     if not isinstance(state, Mapping) or "python" not in state or "torch" not in state:
         raise TrainingStateError("the checkpoint's RNG record is incomplete")
-    if state.get("cuda") and not torch.cuda.is_available():
+    cuda = state.get("cuda")
+    if cuda and (not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda)):
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
         raise TrainingStateError(
-            f"the checkpoint holds RNG state for {len(state['cuda'])} CUDA device(s) but CUDA is "
-            "not available here"
+            f"the checkpoint holds RNG state for {len(cuda)} CUDA device(s), this process sees {seen}"
         )
 
 

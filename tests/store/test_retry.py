@@ -76,19 +76,6 @@ def test_permanent_error_in_a_part_aborts_the_upload_after_one_try():
         store.head("k")
 
 
-def test_lost_response_on_create_surfaces_as_already_exists_on_retry():
-    # The first PUT reached the server and created the object, but its response was lost; the
-    # retry then finds the key taken. The store cannot tell "I created it" from "someone else
-    # did": the protocol layer resolves it by reading the object back and comparing its
-    # size/CRC32C with what it wrote (the shard writer's receipt check).
-    store, retries = _faulty(Fault(op="put", after=True))
-    with pytest.raises(AlreadyExistsError):
-        store.put("shard", b"payload", mode=PutMode.CREATE)
-    assert len(retries) == 1
-    assert store.get("shard") == b"payload"
-    assert store.head("shard").crc32c == crc32c_b64(b"payload")
-
-
 def test_attempt_cap_is_honoured():
     policy = RetryPolicy(deadline=60.0, max_attempts=4, initial_backoff=0.001, max_backoff=0.001)
     store, retries = _faulty(Fault(op="head", times=None), retry=policy)
@@ -188,3 +175,25 @@ def test_counting_store_counts_each_try_and_records_calls_in_order():
     assert counting.total == 5
     counting.reset()
     assert counting.total == 0 and counting.calls == []
+
+
+def test_create_whose_response_was_lost_is_recognised_as_our_own_write():
+    """A CREATE that landed but whose response was lost must not fail the retry with
+    AlreadyExistsError when the object holds exactly our bytes; different bytes still conflict."""
+    from objckpt.store.memory import MemoryStore
+    from objckpt.store.wrappers import Fault, FaultInjectingStore
+    from objckpt import AlreadyExistsError, PutMode, RetryPolicy
+
+    inner = MemoryStore("lost")
+    store = FaultInjectingStore(
+        inner, [Fault(op="put", key="shard", after=True)],
+        retry=RetryPolicy(initial_backoff=0.001, max_backoff=0.001),
+    )
+    meta = store.put("shard", b"payload", mode=PutMode.CREATE)
+    assert meta.size == 7 and inner.get("shard") == b"payload"
+    assert store.injected == [("put", "shard")]
+
+    store.add(Fault(op="put", key="other", after=True))
+    inner.put("other", b"someone else's bytes")  # a genuine conflict: different content
+    with pytest.raises(AlreadyExistsError):
+        store.put("other", b"payload", mode=PutMode.CREATE)

@@ -26,6 +26,7 @@ from objckpt.errors import (  # noqa: E402
     AlreadyExistsError,
     ChecksumMismatchError,
     ConfigError,
+    InvalidKeyError,
     NotFoundError,
     NotSupportedError,
     PermissionDeniedError,
@@ -283,6 +284,16 @@ def test_conditional_writes_none_refuses_conditional_modes_without_a_request():
         store.put("k", b"x", mode=PutMode.update('"v"'))
     with pytest.raises(NotSupportedError):
         store.put_stream("k", b"x" * 100, part_size=10)  # default mode is CREATE
+    stub.assert_no_pending_responses()
+
+
+@pytest.mark.parametrize("key", ["", "../escape", "a/../../b", "./a", "/abs", "a//b", "dir/"])
+def test_keys_that_could_escape_the_root_are_refused_without_a_request(key):
+    store, stub = stubbed()  # nothing stubbed: any request would fail differently
+    for call in (lambda: store.put(key, b"x"), lambda: store.get(key), lambda: store.head(key),
+                 lambda: b"".join(store.get_stream(key)), lambda: store.delete([key])):
+        with pytest.raises(InvalidKeyError):
+            call()
     stub.assert_no_pending_responses()
 
 

@@ -142,3 +142,5 @@ def test_restore_global_rng_checks_cuda() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(TrainingStateError, match="CUDA"):
             check_restorable({}, {}, rng=rng)
+        with pytest.raises(TrainingStateError, match="CUDA"):
+            restore_global_rng(rng)
