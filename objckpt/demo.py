@@ -23,7 +23,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -50,10 +49,10 @@ def _parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------- the worker
 
 
-def _worker(rank: int, world_size: int, port: int, cfg: dict[str, Any]) -> None:
+def _worker(rank: int, world_size: int, store_file: str, cfg: dict[str, Any]) -> None:
     """One rank: restore, train to cfg['steps'] checkpointing every cfg['every'], report."""
     try:
-        _train(rank, world_size, port, cfg)
+        _train(rank, world_size, store_file, cfg)
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback per surviving rank
         first = str(exc).splitlines()[0] if str(exc) else ""
         first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's source-location prefix
@@ -61,7 +60,7 @@ def _worker(rank: int, world_size: int, port: int, cfg: dict[str, Any]) -> None:
         os._exit(1)
 
 
-def _train(rank: int, world_size: int, port: int, cfg: dict[str, Any]) -> None:
+def _train(rank: int, world_size: int, store_file: str, cfg: dict[str, Any]) -> None:
     import random
 
     import numpy as np
@@ -79,7 +78,8 @@ def _train(rank: int, world_size: int, port: int, cfg: dict[str, Any]) -> None:
     # demo's output to what matters
     logging.getLogger("objckpt.commit").setLevel(logging.ERROR)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        # FileStore rendezvous: no TCP port to pick; gloo's sockets use ephemeral ports
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=60),
     )
     out = Path(cfg["out"])
@@ -168,17 +168,11 @@ def _train(rank: int, world_size: int, port: int, cfg: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------- launcher
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run_job(ctx: Any, target: Any, world_size: int, cfg: dict[str, Any], timeout: float) -> list[int | None]:
     """Start ``world_size`` ranks; when one fails, stop the rest (as torchrun's agent does).
     Returns the exit codes."""
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world_size, port, cfg), daemon=True) for r in range(world_size)]
+    store_file = os.path.join(cfg["out"], "rendezvous")  # a fresh file per job
+    procs = [ctx.Process(target=target, args=(r, world_size, store_file, cfg), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -257,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     # forkserver: the server imports torch once and forks every rank from it (fast, and no
     # threads of this process are inherited)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "objckpt.training.manager"])
+    ctx.set_forkserver_preload(["torch", "numpy", "objckpt.training.manager", "objckpt.store.s3"])
     print(
         f"objckpt demo: {args.world_size} ranks (gloo, CPU), MLP, {args.steps} steps, checkpoint every "
         f"{args.every}; rank {kill_rank} will be SIGKILLed after step {args.kill_at}",

@@ -30,7 +30,9 @@ from .errors import (
     ManifestError,
     NoCheckpointError,
     NotFoundError,
+    PermissionDeniedError,
     StoreError,
+    TransientError,
 )
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Pointer, ShardReceipt
 from .store.base import Store
@@ -243,13 +245,22 @@ class Reader:
 
     def check(self, manifest: Manifest) -> list[Problem]:
         """HEAD every shard: present, same size, same version (and CRC32C where the store
-        reports it). Returns the problems found, sorted by key; empty means it passed."""
+        reports it). Returns the problems found, sorted by key; empty means it passed.
+
+        Raises:
+            TransientError, PermissionDeniedError: the store could not be asked; that is not
+                evidence of damage, so it is not reported as a problem.
+        """
 
         def one(r: ShardReceipt) -> Problem | None:
             try:
                 meta = self.store.head(r.key)
             except NotFoundError:
                 return Problem(manifest.step, r.key, "shard is missing", r.rank)
+            except (TransientError, PermissionDeniedError):
+                # An outage or missing permission says nothing about this checkpoint: falling
+                # back to an older one would silently lose work, so let the caller see it.
+                raise
             except StoreError as exc:
                 return Problem(manifest.step, r.key, f"HEAD failed: {exc}", r.rank)
             if meta.size != r.size:

@@ -59,6 +59,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
 import boto3
+import urllib3
 import botocore.exceptions as bexc
 from botocore.config import Config
 
@@ -241,6 +242,10 @@ def map_s3_error(
         return TransientError(f"connection problem: {type(exc).__name__}: {exc}", **where)
     if isinstance(exc, (ConnectionError, TimeoutError)):  # raw socket errors that escape urllib3
         return TransientError(f"connection problem: {type(exc).__name__}: {exc}", **where)
+    if isinstance(exc, urllib3.exceptions.HTTPError):
+        # A response cut short (ProtocolError, IncompleteRead) escapes botocore as urllib3's own
+        # exception when the body is read outside botocore's parser: a retry heals it.
+        return TransientError(f"response cut short: {type(exc).__name__}: {exc}", **where)
     if isinstance(exc, (bexc.ParamValidationError, bexc.NoRegionError)):
         return ConfigError(f"invalid S3 request for {location}/{key}: {exc}")
     if isinstance(exc, bexc.BotoCoreError):
@@ -854,9 +859,14 @@ class S3Store(Store):
             # HEAD responses have no body, so a missing bucket looks like a missing key.
             self._check_bucket(key, exc)
             raise
+        if not resp.get("ETag") or "ContentLength" not in resp:
+            # A response cut between header lines parses as a 200 without them; treating that
+            # as a real answer would report a wrong version and reject a good checkpoint.
+            raise TransientError("HEAD response lacks ETag or Content-Length (cut short?)",
+                                 key=key, location=self.location, operation="head")
         return ObjectMeta(
             key=key,
-            size=int(resp.get("ContentLength", 0)),
+            size=int(resp["ContentLength"]),
             version=_quoted(resp.get("ETag")),
             crc32c=_full_crc(resp.get("ChecksumCRC32C"), resp.get("ChecksumType"), resp.get("ETag")),
             last_modified=resp.get("LastModified"),

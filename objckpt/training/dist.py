@@ -202,7 +202,9 @@ def encode_error(exc: BaseException) -> dict[str, Any]:
 
 
 def decode_error(d: dict[str, Any]) -> Exception:
-    """Rebuild an error sent by :func:`encode_error` (only objckpt's own types, by name)."""
+    """Rebuild an error sent by :func:`encode_error`: objckpt's own types and ValueError /
+    TypeError by name (an allow-list, nothing is imported or evaluated); anything else becomes a
+    :class:`DistributedError` carrying the original type name and message."""
     from .. import errors
     from . import serialization, state
 
@@ -212,6 +214,8 @@ def decode_error(d: dict[str, Any]) -> Exception:
     allowed["TrainingStateError"] = state.TrainingStateError
     allowed["SerializationError"] = serialization.SerializationError
     allowed["UnsupportedStateError"] = serialization.UnsupportedStateError
+    allowed["ValueError"] = ValueError  # e.g. an invalid step number
+    allowed["TypeError"] = TypeError
     cls = allowed.get(d.get("type", ""), None)
     message = str(d.get("message", ""))
     if cls is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -12,13 +11,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...]) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, args: tuple[Any, ...]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -26,7 +19,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
     os.environ["OBJCKPT_TEST_RANK"] = str(rank)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        # a FileStore rendezvous: no port to pick (and race other jobs for); gloo's own sockets
+        # bind ephemeral ports
+        init_method=f"file://{store_file}",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=60),
@@ -43,14 +38,16 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one gloo
     group; return their exit codes (negative: killed by that signal). Processes still running
     after ``timeout`` seconds are killed and the test fails."""
+    import tempfile
     import time
 
     # forkserver: one server process imports torch once and forks every rank from it (a spawned
     # rank would spend seconds importing torch); nothing of pytest's threads is inherited
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tests.training.workers"])
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args), daemon=True) for r in range(world_size)]
+    store_dir = tempfile.mkdtemp(prefix="objckpt-world-")
+    store_file = os.path.join(store_dir, "rendezvous")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store_file, args), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -60,6 +57,9 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     for r in hung:
         procs[r].kill()
         procs[r].join(5)
+    import shutil
+
+    shutil.rmtree(store_dir, ignore_errors=True)
     if hung:
         raise AssertionError(f"ranks {hung} still running after {timeout}s: killed")
     return [p.exitcode for p in procs]
