@@ -46,6 +46,11 @@ _LAZY = {
     "save_sharded": "objckpt.training.dcp",
     "async_save_sharded": "objckpt.training.dcp",
     "load_sharded": "objckpt.training.dcp",
+    "TrainingProgress": "objckpt.training.state",
+    "TrainingStateError": "objckpt.training.state",
+    "hash_config": "objckpt.training.manager",
+    "SerializationError": "objckpt.training.serialization",
+    "UnsupportedStateError": "objckpt.training.serialization",
 }
 
 
@@ -74,8 +79,13 @@ __all__ = [
     "ResumableDistributedSampler",
     "RetentionPolicy",
     "ShardReceipt",
+    "SerializationError",
     "ShardWriter",
+    "TrainingProgress",
+    "TrainingStateError",
+    "UnsupportedStateError",
     "async_save_sharded",
+    "hash_config",
     "load_sharded",
     "plan_gc",
     "replicate",
