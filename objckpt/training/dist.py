@@ -13,6 +13,12 @@ Two groups are created, because they wait for different things:
 * the *data* group (``timeout``, default 30 min): gathers after the uploads/downloads, where
   ranks wait for the slowest rank's transfer.
 
+With ``background=True`` a third group (``timeout``) is created for the background thread of
+asynchronous saves (:meth:`Comm.background`). Collectives on one gloo group must be issued in
+the same order on every rank; a thread that shares a group with another thread cannot promise
+that, so the background thread owns its group exclusively, and the training thread never
+touches it.
+
 Payloads are JSON bytes sent as uint8 tensors (never pickle). After any collective failure the
 groups may hold half-finished messages, so the communicator marks itself broken and every later
 call raises at once: restart the job (torchrun does).
@@ -70,12 +76,19 @@ class Comm:
             raise decode_error(outcome["error"])
         return outcome["ok"]
 
+    def background(self) -> Comm:
+        """The communicator reserved for the background save thread (its own group)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
 
 class LocalComm(Comm):
     """One process: every collective is the identity."""
+
+    def background(self) -> Comm:
+        return self
 
     def gather(self, obj: Any, what: str, *, handshake: bool = False) -> list[Any] | None:
         return [json.loads(json.dumps(obj))]
@@ -85,13 +98,15 @@ class LocalComm(Comm):
 
 
 class DistComm(Comm):
-    """Collectives over two new gloo groups spanning the default group's ranks.
+    """Collectives over two (with ``background``, three) new gloo groups spanning the default
+    group's ranks.
 
-    Construction calls ``torch.distributed.new_group`` twice: it is itself a collective on the
-    default group, so every rank must construct it, in the same order.
+    Construction calls ``torch.distributed.new_group`` twice (three times with ``background``):
+    it is itself a collective on the default group, so every rank must construct it, in the
+    same order, with the same ``background``.
     """
 
-    def __init__(self, *, timeout: float, handshake_timeout: float) -> None:
+    def __init__(self, *, timeout: float, handshake_timeout: float, background: bool = False) -> None:
         dist = torch.distributed
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -101,6 +116,9 @@ class DistComm(Comm):
         try:
             self._handshake = dist.new_group(backend="gloo", timeout=timedelta(seconds=handshake_timeout))
             self._data = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            self._background: Any = None
+            if background:
+                self._background = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         except Exception as exc:
             raise DistributedError(
                 f"cannot create the checkpoint process groups (gloo) on rank {self.rank}: {exc}"
@@ -108,6 +126,14 @@ class DistComm(Comm):
 
     def _group(self, handshake: bool) -> Any:
         return self._handshake if handshake else self._data
+
+    def background(self) -> Comm:
+        if self._background is None:
+            raise DistributedError("this communicator was created without a background group")
+        view = getattr(self, "_background_view", None)
+        if view is None:
+            view = self._background_view = _BackgroundComm(self)
+        return view
 
     def _run(self, what: str, handshake: bool, fn: Callable[[], T]) -> T:
         if self._broken is not None:
@@ -172,7 +198,8 @@ class DistComm(Comm):
 
     def close(self) -> None:
         dist = torch.distributed
-        for group in (getattr(self, "_handshake", None), getattr(self, "_data", None)):
+        groups = ("_handshake", "_data", "_background")
+        for group in (getattr(self, name, None) for name in groups):
             if group is not None and dist.is_initialized():
                 try:
                     dist.destroy_process_group(group)
@@ -180,12 +207,36 @@ class DistComm(Comm):
                     pass
 
 
-def make_comm(*, timeout: float, handshake_timeout: float) -> Comm:
+class _BackgroundComm(DistComm):
+    """The owner's background group used for every collective (gather, broadcast, agree).
+
+    Its own ``_broken`` state: a failure here says nothing about the owner's groups' message
+    order. Closing it is a no-op; the owner destroys the group.
+    """
+
+    def __init__(self, owner: DistComm) -> None:  # no new_group: not a collective
+        self.rank = owner.rank
+        self.world_size = owner.world_size
+        self.timeout = owner.timeout
+        self.handshake_timeout = owner.timeout
+        self._broken = None
+        self._handshake = self._data = owner._background
+        self._background = None
+
+    def background(self) -> Comm:
+        return self
+
+    def close(self) -> None:
+        pass
+
+
+def make_comm(*, timeout: float, handshake_timeout: float, background: bool = False) -> Comm:
     """A :class:`DistComm` when torch.distributed is initialised with more than one rank, else a
-    :class:`LocalComm`."""
+    :class:`LocalComm`. ``background``: also create the group of :meth:`Comm.background` (a
+    collective on the default group: pass the same value on every rank)."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return DistComm(timeout=timeout, handshake_timeout=handshake_timeout)
+        return DistComm(timeout=timeout, handshake_timeout=handshake_timeout, background=background)
     return LocalComm()
 
 
@@ -206,7 +257,7 @@ def decode_error(d: dict[str, Any]) -> Exception:
     TypeError by name (an allow-list, nothing is imported or evaluated); anything else becomes a
     :class:`DistributedError` carrying the original type name and message."""
     from .. import errors
-    from . import serialization, state
+    from . import serialization, staging, state
 
     allowed: dict[str, type[Exception]] = {
         name: getattr(errors, name) for name in errors.__all__
@@ -214,6 +265,8 @@ def decode_error(d: dict[str, Any]) -> Exception:
     allowed["TrainingStateError"] = state.TrainingStateError
     allowed["SerializationError"] = serialization.SerializationError
     allowed["UnsupportedStateError"] = serialization.UnsupportedStateError
+    allowed["StagingBudgetError"] = staging.StagingBudgetError
+    allowed["SaveAbandonedError"] = staging.SaveAbandonedError
     allowed["ValueError"] = ValueError  # e.g. an invalid step number
     allowed["TypeError"] = TypeError
     cls = allowed.get(d.get("type", ""), None)

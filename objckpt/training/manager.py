@@ -28,6 +28,15 @@ the same manifest or raises the same :class:`CommitError`. Then rank 0 applies r
 (:mod:`objckpt.gc`), which never deletes the previous checkpoint before the new one is committed
 and verified.
 
+Asynchronous saves (:meth:`CheckpointManager.save_async`): the training thread captures the
+state, agrees with the other ranks on the step and attempt (one small collective on the
+checkpoint handshake group, never on the training process group), copies this rank's share of
+the state into a reusable host staging buffer (:mod:`.staging`; pinned when CUDA is present) and
+returns a :class:`SaveHandle`. A background thread then encodes, uploads, gathers the receipts
+and commits exactly as :meth:`save` does, on a gloo group of its own. At most one save is in
+flight; its outcome (committed, or the same error on every rank) is delivered by the handle, or
+else raised by the next ``save``/``save_async``/``close``.
+
 Bitwise resume (invariant 14) holds for CPU runs with the same world size, given deterministic
 collectives. One trap outside objckpt: DDP rebuilds its gradient-bucket layout after the first
 iteration of every process, and with more than 2 ranks the all-reduce's float sum order depends
@@ -43,6 +52,7 @@ import hashlib
 import json
 import logging
 import platform
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -71,6 +81,7 @@ from ..writer import ShardWriter
 from . import serialization
 from .dist import Comm, decode_error, encode_error, make_comm
 from .serialization import SerializationError, TensorRef
+from .staging import SaveAbandonedError, SaveHandle, StagingArea, StagingBudgetError
 from .state import (
     MODULE,
     OPTIMIZER,
@@ -84,7 +95,13 @@ from .state import (
     progress_of,
 )
 
-__all__ = ["CheckpointManager", "hash_config"]
+__all__ = [
+    "CheckpointManager",
+    "SaveAbandonedError",
+    "SaveHandle",
+    "StagingBudgetError",
+    "hash_config",
+]
 
 log = logging.getLogger("objckpt.training")
 
@@ -94,6 +111,10 @@ RANK_SHARD = "rank.bin"
 
 #: errors that mean "this checkpoint is damaged": restore falls back to the parent
 _DAMAGE = (IntegrityError, NotFoundError, SerializationError)
+
+#: what save_async does while a save is in flight
+WAIT, SKIP = "wait", "skip"
+_POLICIES = (WAIT, SKIP)
 
 
 def hash_config(config: Any) -> str:
@@ -105,8 +126,9 @@ def hash_config(config: Any) -> str:
 class CheckpointManager:
     """Saves and restores training state under one run root.
 
-    Construct it on every rank (under torch.distributed it creates two gloo process groups,
-    which is a collective on the default group), after ``init_process_group``.
+    Construct it on every rank (under torch.distributed it creates three gloo process groups,
+    which is a collective on the default group), after ``init_process_group``. Call
+    :meth:`close` (or use it as a context manager) to finish an in-flight asynchronous save.
 
     Args:
         uri_or_store: run-root URI (``s3://bucket/run``, ``gs://...``, ``file:///...``) or a
@@ -128,6 +150,16 @@ class CheckpointManager:
         gc_grace_period: unreferenced attempt data younger than this is never collected (must
             exceed the longest save).
         metadata: free-form JSON recorded in every manifest.
+        max_staging_bytes: the most host memory :meth:`save_async` may stage on this rank.
+            Default ``None``: no limit; the staging buffer is then as large as this rank's share
+            of the state (its part of the replicated tensors plus its per-rank state), allocated
+            by the first ``save_async``, reused by every later one and freed by :meth:`close`.
+            Only one save is ever in flight, so that one buffer is the whole overhead. A state
+            that needs more raises :class:`StagingBudgetError` on every rank before anything is
+            staged. :meth:`save` never stages.
+        async_policy: what :meth:`save_async` does while the previous save is still in flight:
+            ``"wait"`` (default) blocks until it is over; ``"skip"`` saves nothing, logs a
+            warning and returns a handle with ``skipped=True``.
     """
 
     def __init__(
@@ -144,7 +176,11 @@ class CheckpointManager:
         handshake_timeout: float = 300.0,
         gc_grace_period: timedelta = timedelta(hours=6),
         metadata: Mapping[str, Any] | None = None,
+        max_staging_bytes: int | None = None,
+        async_policy: str = WAIT,
     ) -> None:
+        if async_policy not in _POLICIES:
+            raise ValueError(f"async_policy must be one of {_POLICIES}, got {async_policy!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if every is not None and every < 1:
@@ -160,7 +196,12 @@ class CheckpointManager:
         self.replicated = None if replicated is None else frozenset(replicated)
         self.gc_grace_period = gc_grace_period
         self.metadata = dict(metadata or {})
-        self.comm: Comm = make_comm(timeout=timeout, handshake_timeout=handshake_timeout)
+        self._staging = StagingArea(max_staging_bytes)  # validates the budget before any collective
+        self.async_policy = async_policy
+        self.comm: Comm = make_comm(timeout=timeout, handshake_timeout=handshake_timeout, background=True)
+        # The background save thread's own group: it alone issues collectives there, so their
+        # order is the same on every rank whatever the training thread does meanwhile.
+        self._bg_comm: Comm = self.comm.background()
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
         #: (step, reason) of every checkpoint a restore rejected and fell back from
@@ -168,6 +209,10 @@ class CheckpointManager:
         #: bytes written by this rank and seconds taken by the last save
         self.last_save: dict[str, Any] = {}
         self._coordinator: Coordinator | None = None
+        #: the last save_async that ran (finished or not) and the thread running it
+        self._last_async: SaveHandle | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
     # ------------------------------------------------------------------ public API
 
@@ -188,67 +233,123 @@ class CheckpointManager:
         reader resolves changes. On any failure no manifest is written and the attempt's shards
         are left for garbage collection; the previous checkpoint is untouched.
 
-        Tensors are streamed straight from their memory: do not modify them until this returns.
+        Tensors are streamed straight from their memory: do not modify them until this returns
+        (:meth:`save_async` stages a copy instead). A :meth:`save_async` still in flight is
+        waited for first.
 
         Raises (identically on every rank):
             TrainingStateError: not at an optimizer-step boundary, or an unsupported value.
             UnsupportedStateError: a value inside a state dict cannot be serialized.
             CommitError: a rank failed to write its shards, or the commit checks failed;
                 ``failures`` names every failing rank. CommitConflict: the step was already
-                committed by another attempt.
-            DistributedError: ranks disagree on the step or the replicated layout, or a rank
-                did not take part within the timeout (e.g. a rank-0-only call).
+                committed by another attempt. Also the error of an earlier :meth:`save_async`
+                that no one has seen (on any rank): this save is then not started.
+            DistributedError: ranks disagree on the step or the replicated layout, mix ``save``
+                and ``save_async``, or a rank did not take part within the timeout (e.g. a
+                rank-0-only call).
         """
         if self.every is not None and not force and step % self.every:
             return None
+        self._check_open()
         started = time.monotonic()
+        pending = self._settle()
         prep = self._prepare_save(step, state)
-        attempt = layout.new_attempt_id() if self.rank == 0 else None
-        hello = {
-            "step": step,
-            "error": prep.get("error"),
-            "digests": prep.get("digests"),
-            "attempt": attempt,
-        }
-        attempt = self.comm.agree(hello, self._decide_save_handshake, f"save(step={step}) handshake", handshake=True)
-
-        # Every rank writes its shards; a failure is reported, not raised, so that rank 0 can
-        # tell every rank the same outcome.
-        report: dict[str, Any]
-        try:
-            report = {"receipts": [r.to_dict() for r in self._write(step, attempt, prep)]}
-        except Exception as exc:  # noqa: BLE001 - reported to the coordinator
-            log.error("rank %d failed to write its shards for step %d: %s", self.rank, step, exc)
-            report = {"error": f"{type(exc).__name__}: {exc}"}
-        reports = self.comm.gather(report, f"save(step={step}) receipts")
-
-        outcome: dict[str, Any] = {}
-        if self.rank == 0:
-            assert reports is not None
-            try:
-                manifest = self._commit(step, attempt, reports, state, prep, metadata)
-                outcome = {"manifest": manifest.encode().decode("utf-8")}
-            except Exception as exc:  # noqa: BLE001 - broadcast and raised on every rank
-                if not isinstance(exc, CommitError):
-                    exc = CommitError(
-                        f"step {step} attempt {attempt} not committed: the coordinator failed: "
-                        f"{type(exc).__name__}: {exc}",
-                        {0: f"{type(exc).__name__}: {exc}"},
-                    )
-                outcome = {"error": encode_error(exc)}
-        outcome = self.comm.broadcast(outcome, f"save(step={step}) outcome")
-        if "error" in outcome:
-            raise decode_error(outcome["error"])
-        key = layout.manifest_key(step)
-        manifest = Manifest.decode(outcome["manifest"].encode("utf-8"), key=key)
-        self.last_save = {
-            "step": step,
-            "bytes": prep["bytes_written"],
-            "seconds": time.monotonic() - started,
-        }
+        decision = self._save_handshake(step, prep, pending, mode="save", busy=False)
+        manifest = self._save_protocol(self.comm, step, decision["attempt"], prep, metadata, started)
         if self.rank == 0:
             self._retain()
         return manifest
+
+    def save_async(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        force: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+        policy: str | None = None,
+    ) -> SaveHandle:
+        """Stage ``state`` in host memory and save it as checkpoint ``step`` in the background;
+        every rank must call it with the same step.
+
+        Returns once this rank's share of the state is copied into the staging buffer: the
+        caller may then change every tensor (the next optimizer step) without affecting the
+        checkpoint. Encoding, upload, the receipt gather and the commit run on a background
+        thread, on a process group of its own; the training thread takes part in one small
+        collective here (the handshake on the checkpoint group, never on the training group).
+
+        At most one save is in flight. While one is, ``policy`` (default: the manager's
+        ``async_policy``) decides: ``"wait"`` waits for it to finish; ``"skip"`` saves nothing,
+        logs a warning and returns a handle with ``skipped=True`` -- on every rank, if a save is
+        still in flight on any rank. A step that is not due (``every``) also returns a skipped
+        handle, without a warning.
+
+        Atomicity: as :meth:`save`; the checkpoint exists iff its manifest was written. A failed
+        or abandoned save writes no manifest.
+
+        Errors: those found before staging are raised here, identically on every rank (see
+        :meth:`save`, plus :class:`StagingBudgetError` when this rank's share exceeds
+        ``max_staging_bytes``). Errors of the background part (a rank's upload failed, commit
+        checks, :class:`CommitConflict`, :class:`SaveAbandonedError`, a collective timeout) are
+        the handle's outcome, the same on every rank: raised by ``handle.wait()``/``result()``;
+        if no one looks, by the next ``save``/``save_async``/``close``, which then starts no new
+        save.
+
+        Raises:
+            ValueError: unknown ``policy``.
+            StagingBudgetError, TrainingStateError, UnsupportedStateError, DistributedError,
+            CommitError: as above.
+        """
+        policy = policy or self.async_policy
+        if policy not in _POLICIES:
+            raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+        if self.every is not None and not force and step % self.every:
+            return SaveHandle(step, skipped=True, reason=f"step {step} is not due (every={self.every})")
+        self._check_open()
+        started = time.monotonic()
+        busy = policy == SKIP and self._thread is not None and self._thread.is_alive()
+        pending = None if busy else self._settle()
+        prep = self._prepare_save(step, state, stage=True)
+        decision = self._save_handshake(step, prep, pending, mode="save_async", busy=busy)
+        if decision["skip"]:
+            log.warning(
+                "save_async(step=%d) skipped: the previous save is still in flight on %s (policy='skip')",
+                step, "this rank" if busy else "another rank",
+            )
+            return SaveHandle(step, skipped=True, reason="the previous save was still in flight (policy='skip')")
+        attempt = decision["attempt"]
+        plan = prep.pop("plan")
+        handle = SaveHandle(step, attempt=attempt, staged_bytes=plan.nbytes)
+        stage_error: Exception | None = None
+        try:
+            prep["replicated_tree"], prep["local_tree"] = self._staging.stage(plan)
+        except Exception as exc:  # noqa: BLE001 - reported by the background thread, so all ranks agree
+            log.error("rank %d failed to stage step %d: %s", self.rank, step, exc)
+            stage_error = exc
+        del plan  # the plan references the live tensors; the background thread must not
+        handle.blocking_seconds = time.monotonic() - started
+        thread = threading.Thread(
+            target=self._background_save,
+            args=(handle, prep, metadata, started, stage_error),
+            name=f"objckpt-save-{step}",
+            # daemon: a job that exits without close() must not hang at interpreter exit on a
+            # collective with ranks that are gone; that save is simply never committed
+            daemon=True,
+        )
+        self._last_async, self._thread = handle, thread
+        thread.start()
+        return handle
+
+    def wait(self) -> Manifest | None:
+        """Wait for the in-flight :meth:`save_async` (if any) and return its manifest (None when
+        there is none); local, no collective.
+
+        Raises:
+            the in-flight save's error (see :meth:`SaveHandle.wait`).
+        """
+        self._settle()
+        handle = self._last_async
+        return None if handle is None else handle.wait()
 
     def restore(self, state: Mapping[str, Any], *, step: int | None = None) -> int | None:
         """Load the newest usable checkpoint (or ``step``) into ``state``; every rank calls it.
@@ -261,7 +362,8 @@ class CheckpointManager:
         the ranks check they restored the same step.
 
         Returns the restored step, or None when the run root holds no checkpoint (nothing is
-        modified then).
+        modified then). An in-flight :meth:`save_async` is waited for first (its error, if any,
+        is left for the next save or close to raise).
 
         Raises (identically on every rank):
             NoCheckpointError: checkpoints exist but none is usable, or ``step`` is not usable.
@@ -270,6 +372,8 @@ class CheckpointManager:
             DistributedError: ranks asked for different steps, see different checkpoints, or
                 did not all call restore within the timeout.
         """
+        self._check_open()
+        self._settle()
         prep_error = None
         try:
             for name, obj in state.items():
@@ -334,17 +438,66 @@ class CheckpointManager:
         m = self.reader.latest()
         return m.step if m is not None else None
 
-    def close(self) -> None:
-        """Release the process groups and (when opened from a URI) the store."""
-        self.comm.close()
-        if self._owns_store:
-            self.store.close()
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held by the staging buffer of :meth:`save_async` (0 before the first)."""
+        return self._staging.capacity
+
+    def close(self, *, abandon: bool = False) -> None:
+        """Finish the in-flight :meth:`save_async`, then release the staging buffer, the process
+        groups and (when opened from a URI) the store. Idempotent; every rank calls it.
+
+        ``abandon=False`` (default): wait until the in-flight save has committed or failed.
+        ``abandon=True``: cancel it: uploads stop at the next part and are aborted, and the
+        coordinator does not commit an attempt that any rank abandoned before the commit began
+        (all ranks get the same outcome: :class:`SaveAbandonedError`); its leftover shards are
+        swept by garbage collection after the grace period. A save already being committed when
+        the request arrives completes (logged). Either way this returns only once the background
+        thread is done (bounded by ``timeout`` if a peer rank is gone).
+
+        Raises:
+            the error of the last :meth:`save_async` if no one has seen it yet (after releasing
+            everything); not with ``abandon=True``, which logs it instead.
+        """
+        if self._closed:
+            return
+        error: BaseException | None = None
+        try:
+            handle, thread = self._last_async, self._thread
+            if abandon and handle is not None and thread is not None and thread.is_alive():
+                handle.abandon()
+            error = self._settle()
+            if error is not None:
+                assert handle is not None
+                handle._observed = True
+                if abandon:
+                    if not isinstance(error, SaveAbandonedError):
+                        log.warning("the abandoned save of step %d had failed: %s", handle.step, error)
+                    error = None
+            elif abandon and handle is not None and handle.abandon_requested and handle.committed:
+                log.info("save of step %d was committed before the abandon request took effect", handle.step)
+        finally:
+            self._closed = True
+            self._staging.release()
+            self.comm.close()
+            if self._owns_store:
+                self.store.close()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Leaving on an exception: finish the in-flight save, but never mask the exception
+        # that is propagating with the save's own error.
+        try:
+            self.close()
+        except Exception as err:  # noqa: BLE001
+            log.error("the last save_async failed (raised while leaving on another error): %s", err)
 
     # ------------------------------------------------------------------ save internals
 
@@ -353,8 +506,26 @@ class CheckpointManager:
             return [n for n in state if n in self.replicated]
         return [n for n in state if kinds[n] in (MODULE, OPTIMIZER)]
 
-    def _prepare_save(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Capture references to everything to save; no I/O, nothing copied."""
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this CheckpointManager is closed")
+
+    def _settle(self) -> BaseException | None:
+        """Wait for the background save thread, if any. Training-thread collectives start only
+        after it: one save at a time, and restore sees what the last save committed.
+
+        Returns the last async save's error when no one has seen it yet (not marked seen).
+        """
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+        handle = self._last_async
+        return handle._unobserved_error() if handle is not None else None
+
+    def _prepare_save(self, step: int, state: Mapping[str, Any], *, stage: bool = False) -> dict[str, Any]:
+        """Capture references to everything to save; no I/O, nothing copied. With ``stage``,
+        also lay the state out for staging (raises StagingBudgetError in the result)."""
         try:
             layout.check_step(step)
             check_step_boundary(state)
@@ -369,27 +540,65 @@ class CheckpointManager:
             skeleton = _split_tensors(replicated, tensors)
             digests = {n: _layout_digest(skeleton[n], tensors) for n in rep_names}
             mine = _assign(tensors, self.world_size)[self.rank]
-            rep_body: serialization.EncodedState | None = None
+            rep_tree: dict[str, Any] | None = None
             if rep_names and (mine or self.rank == 0):
-                body: dict[str, Any] = {"index": mine, "tensors": [tensors[i] for i in mine]}
+                rep_tree = {"index": mine, "tensors": [tensors[i] for i in mine]}
                 if self.rank == 0:
-                    body["skeleton"] = skeleton
-                    body["count"] = len(tensors)
-                rep_body = serialization.encode(body)
+                    rep_tree["skeleton"] = skeleton
+                    rep_tree["count"] = len(tensors)
+            local_tree = {"items": local, "rng": capture_global_rng()}
             progress = progress_of(state)
-            return {
+            prep = {
+                "step": step,
                 "replicated_names": rep_names,
                 "local_names": [n for n in state if n not in rep_names],
-                "replicated_body": rep_body,
-                "local_body": serialization.encode({"items": local, "rng": capture_global_rng()}),
+                "replicated_tree": rep_tree,
+                "local_tree": local_tree,
                 "digests": digests,
                 "progress": progress.summary() if progress is not None else {"global_step": step},
                 "bytes_written": 0,
             }
+            if stage:
+                prep["plan"] = self._staging.plan([rep_tree, local_tree], what=f"save_async(step={step})")
+            return prep
         except Exception as exc:  # noqa: BLE001 - every rank raises the same error after the handshake
             return {"error": encode_error(exc)}
 
-    def _decide_save_handshake(self, hellos: list[dict[str, Any]]) -> str:
+    def _save_handshake(
+        self, step: int, prep: dict[str, Any], pending: BaseException | None, *, mode: str, busy: bool
+    ) -> dict[str, Any]:
+        """The entry collective of every save: returns ``{"attempt", "skip"}``, the same on
+        every rank, or raises the same error on every rank (see :meth:`_decide_save_handshake`).
+
+        ``pending``: this rank's unseen error of an earlier save_async. If any rank has one,
+        every rank raises it (each its own copy: outcomes are agreed, so they are the same)."""
+        hello = {
+            "step": step,
+            "mode": mode,
+            "busy": busy,
+            "pending": encode_error(pending) if pending is not None else None,
+            "error": prep.get("error"),
+            "digests": prep.get("digests"),
+            "attempt": layout.new_attempt_id() if self.rank == 0 else None,
+        }
+        decision = self.comm.agree(hello, self._decide_save_handshake, f"{mode}(step={step}) handshake", handshake=True)
+        if decision.get("pending"):
+            if pending is not None:
+                assert self._last_async is not None
+                self._last_async._observed = True
+                raise pending
+            raise decode_error(decision["pending"])
+        return decision
+
+    def _decide_save_handshake(self, hellos: list[dict[str, Any]]) -> dict[str, Any]:
+        # an earlier failure nobody has seen comes first: it is older than anything else here
+        for h in hellos:
+            if h.get("pending"):
+                return {"pending": h["pending"]}
+        modes = {h.get("mode") for h in hellos}
+        if len(modes) != 1:
+            detail = ", ".join(f"rank {r}: {h.get('mode')}" for r, h in enumerate(hellos))
+            raise DistributedError(f"ranks mixed save() and save_async() for one checkpoint ({detail})")
         for rank, h in enumerate(hellos):
             if h.get("error"):
                 err = decode_error(h["error"])
@@ -413,15 +622,126 @@ class CheckpointManager:
                     "shapes than rank 0. Pass replicated=() (or the names that really are identical "
                     "on every rank) to CheckpointManager"
                 )
-        return str(hellos[0]["attempt"])
+        # policy="skip": skip on every rank if a save is still in flight on any rank
+        return {"attempt": str(hellos[0]["attempt"]), "skip": any(h.get("busy") for h in hellos)}
 
-    def _write(self, step: int, attempt: str, prep: dict[str, Any]) -> list[ShardReceipt]:
+    def _save_protocol(
+        self,
+        comm: Comm,
+        step: int,
+        attempt: str,
+        prep: dict[str, Any],
+        metadata: Mapping[str, Any] | None,
+        started: float,
+        *,
+        abandon: threading.Event | None = None,
+        stage_error: Exception | None = None,
+    ) -> Manifest:
+        """Write, gather receipts, commit on rank 0, broadcast the outcome (on ``comm``)."""
+        # Every rank writes its shards; a failure is reported, not raised, so that rank 0 can
+        # tell every rank the same outcome.
+        report: dict[str, Any]
+        if stage_error is not None:
+            report = {"error": f"staging failed: {type(stage_error).__name__}: {stage_error}"}
+        else:
+            try:
+                report = {"receipts": [r.to_dict() for r in self._write(step, attempt, prep, abandon)]}
+            except _Abandoned:
+                report = {"abandoned": True}
+            except Exception as exc:  # noqa: BLE001 - reported to the coordinator
+                log.error("rank %d failed to write its shards for step %d: %s", self.rank, step, exc)
+                report = {"error": f"{type(exc).__name__}: {exc}"}
+        if abandon is not None and abandon.is_set():
+            report = {"abandoned": True}
+        reports = comm.gather(report, f"save(step={step}) receipts")
+
+        outcome: dict[str, Any] = {}
+        if self.rank == 0:
+            assert reports is not None
+            abandoned = [r for r, rep in enumerate(reports) if rep.get("abandoned")]
+            # The last look at our own request: after this point the commit goes ahead.
+            if abandon is not None and abandon.is_set() and 0 not in abandoned:
+                abandoned.insert(0, 0)
+            try:
+                if abandoned:
+                    raise SaveAbandonedError(
+                        f"step {step} attempt {attempt} was abandoned before it was committed; no "
+                        "manifest was written",
+                        {r: "abandoned (close(abandon=True))" for r in abandoned},
+                    )
+                manifest = self._commit(step, attempt, reports, prep, metadata)
+                outcome = {"manifest": manifest.encode().decode("utf-8")}
+            except Exception as exc:  # noqa: BLE001 - broadcast and raised on every rank
+                if not isinstance(exc, CommitError):
+                    exc = CommitError(
+                        f"step {step} attempt {attempt} not committed: the coordinator failed: "
+                        f"{type(exc).__name__}: {exc}",
+                        {0: f"{type(exc).__name__}: {exc}"},
+                    )
+                outcome = {"error": encode_error(exc)}
+        outcome = comm.broadcast(outcome, f"save(step={step}) outcome")
+        if "error" in outcome:
+            raise decode_error(outcome["error"])
+        key = layout.manifest_key(step)
+        manifest = Manifest.decode(outcome["manifest"].encode("utf-8"), key=key)
+        self.last_save = {
+            "step": step,
+            "bytes": prep["bytes_written"],
+            "seconds": time.monotonic() - started,
+        }
+        return manifest
+
+    def _background_save(
+        self,
+        handle: SaveHandle,
+        prep: dict[str, Any],
+        metadata: Mapping[str, Any] | None,
+        started: float,
+        stage_error: Exception | None,
+    ) -> None:
+        """The background thread of save_async: the whole protocol on the background group."""
+        step = handle.step
+        try:
+            assert handle.attempt is not None
+            manifest = self._save_protocol(
+                self._bg_comm, step, handle.attempt, prep, metadata, started,
+                abandon=handle._abandon, stage_error=stage_error,
+            )
+        except BaseException as exc:  # noqa: BLE001 - the handle's outcome; never lost
+            if isinstance(exc, SaveAbandonedError):
+                log.warning("save of step %d abandoned: %s", step, exc)
+            else:
+                log.error("background save of step %d failed: %s", step, exc)
+            handle._finish(error=exc)
+            return
+        finally:
+            prep.clear()  # drop the staged trees (views of the reused buffer) and the encodings
+        self.last_save["blocking_seconds"] = handle.blocking_seconds
+        handle._finish(manifest=manifest)
+        if self.rank == 0:
+            self._retain()  # still in this thread: the next save waits for it
+
+    def _write(
+        self, step: int, attempt: str, prep: dict[str, Any], abandon: threading.Event | None = None
+    ) -> list[ShardReceipt]:
         writer = ShardWriter(self.store, step=step, attempt=attempt, rank=self.rank)
         written = 0
-        for name, encoded in ((REPLICATED_SHARD, prep["replicated_body"]), (RANK_SHARD, prep["local_body"])):
-            if encoded is not None:
-                # streamed from tensor memory: header, then each tensor's bytes in place
-                writer.write(name, encoded.buffers())
+        progress = None
+        if abandon is not None:
+            def progress(_: int) -> None:
+                # called after every uploaded part: raising here aborts the multipart upload
+                if abandon.is_set():
+                    raise _Abandoned()
+
+        for name, tree in ((REPLICATED_SHARD, prep["replicated_tree"]), (RANK_SHARD, prep["local_tree"])):
+            if tree is not None:
+                # streamed from the tensors' memory (the staged copies for save_async): header,
+                # then each tensor's bytes in place
+                encoded = serialization.encode(tree)
+                source: Iterable[memoryview] = encoded.buffers()
+                if abandon is not None:
+                    source = _abortable(source, abandon)
+                writer.write(name, source, progress=progress)
                 written += encoded.size
         prep["bytes_written"] = written
         return writer.receipts
@@ -431,7 +751,6 @@ class CheckpointManager:
         step: int,
         attempt: str,
         reports: list[dict[str, Any]],
-        state: Mapping[str, Any],
         prep: dict[str, Any],
         metadata: Mapping[str, Any] | None,
     ) -> Manifest:
@@ -583,6 +902,18 @@ class CheckpointManager:
 
 class _Damaged(Exception):
     """The checkpoint being staged is damaged: fall back (internal)."""
+
+
+class _Abandoned(Exception):
+    """This rank stopped writing an abandoned save (internal)."""
+
+
+def _abortable(buffers: Iterable[memoryview], abandon: threading.Event) -> Iterator[memoryview]:
+    """``buffers``, stopping with _Abandoned once ``abandon`` is set (the upload is aborted)."""
+    for buf in buffers:
+        if abandon.is_set():
+            raise _Abandoned()
+        yield buf
 
 
 def _mapping(value: Any, what: str) -> Mapping[str, Any]:

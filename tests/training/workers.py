@@ -253,3 +253,108 @@ def disagree(rank: int, world_size: int, root: str, other_root: str, out: str) -
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     mgr.close()
     odd.close()
+
+
+# ---------------------------------------------------------------------------------- async saves
+
+
+def capture(state: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of everything a checkpoint restores, RNG included, drawing nothing."""
+    import copy
+
+    model = state["model"].module if hasattr(state["model"], "module") else state["model"]
+    return copy.deepcopy({
+        "params": model.state_dict(),
+        "optimizer": state["optimizer"].state_dict(),
+        "scheduler": state["scheduler"].state_dict(),
+        "sampler": state["sampler"].state_dict(),
+        "progress": state["progress"].state_dict(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "noise": state["noise"].bit_generator.state,
+    })
+
+
+def _scribble(state: dict[str, Any]) -> None:
+    """Change every parameter in place, the same way on every rank."""
+    model = state["model"].module if hasattr(state["model"], "module") else state["model"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-2.0).add_(3.0)
+
+
+class HoldingStore(CountingStore):
+    """Holds this rank's shard writes until the file ``signal`` exists (60 s at most)."""
+
+    def __init__(self, inner: Any, signal: str) -> None:
+        super().__init__(inner)
+        self.signal = signal
+
+    def _invoke(self, op: str, key: str, keys: Any, fn: Any, *args: Any) -> Any:
+        if op in ("put", "create_upload") and key.startswith("data/"):
+            import time
+
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.signal) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super()._invoke(op, key, keys, fn, *args)
+
+
+def async_round_trip(rank: int, world_size: int, root: str, failing: str, abandoned: str, out: str) -> None:
+    """save_async under DDP while training (and in-place changes) go on; restore both
+    checkpoints into fresh objects; a save whose rank-1 upload fails; an abandoned save."""
+    from objckpt.errors import PermissionDeniedError
+    from objckpt.store.wrappers import Fault, FaultInjectingStore
+
+    result: dict[str, Any] = {}
+    state = build(rank, world_size)
+    seed_rank(rank)
+    # every=1000: train()'s own save() calls are never due; the saves below are forced
+    mgr = CheckpointManager(root, every=1000, keep_last=None, timeout=60, handshake_timeout=60)
+    train(mgr, state, 5)
+    result["at_save"] = capture(state)
+    first = mgr.save_async(5, state, force=True)
+    _scribble(state)  # right after the call: must not reach the checkpoint
+    train(mgr, state, 8)  # DDP all-reduces on the default group while the save uploads
+    assert first.wait(timeout=120).step == 5
+    result["at_final"] = capture(state)
+    second = mgr.save_async(8, state, force=True)
+    _scribble(state)
+    mgr.close()  # waits for the save in flight
+    assert second.committed
+    result["attempts"] = [first.attempt, second.attempt]
+
+    fresh = build(rank, world_size)
+    mgr2 = CheckpointManager(root, timeout=60, handshake_timeout=60)
+    steps = [mgr2.restore(fresh, step=5)]
+    result["restored_save"] = capture(fresh)
+    steps.append(mgr2.restore(fresh))
+    result["restored_final"] = capture(fresh)
+    result["restored_steps"] = steps
+    mgr2.close()
+
+    # rank 1 cannot write: both ranks' handles fail with the same CommitError naming rank 1
+    store = open_store(failing)
+    if rank == 1:
+        store = FaultInjectingStore(store, [Fault(op="put", key="data/*/rank.bin", error=PermissionDeniedError, times=None)])
+    mgr3 = CheckpointManager(store, timeout=60, handshake_timeout=60)
+    err = mgr3.save_async(1, state).exception(timeout=120)
+    result["failure"] = f"{type(err).__name__}: {err}"
+    mgr3.close()
+
+    # rank 0 abandons while rank 1's upload is held: nothing is committed, on either rank
+    signal = os.path.join(out, "abandon-requested")
+    store = open_store(abandoned)
+    if rank == 1:
+        store = HoldingStore(store, signal)
+    mgr4 = CheckpointManager(store, timeout=60, handshake_timeout=60)
+    handle = mgr4.save_async(1, state)
+    if rank == 0:
+        handle.abandon()
+        Path(signal).touch()
+        mgr4.close(abandon=True)
+    err = handle.exception(timeout=120)
+    result["abandon"] = f"{type(err).__name__}: {err}"
+    mgr4.close()  # rank 1: the outcome was seen above, so close raises nothing
+    Path(out, f"rank{rank}.bin").write_bytes(dumps(result))
