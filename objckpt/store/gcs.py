@@ -47,7 +47,6 @@ Options (URI query parameters or ``open_store`` keywords):
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import threading
@@ -73,6 +72,7 @@ from ..errors import (
     StoreError,
     TransientError,
 )
+from ._util import ViewReader, as_bool
 from .base import (
     MiB,
     ObjectMeta,
@@ -142,53 +142,6 @@ def _server_message(exc: BaseException) -> str:
         except (ValueError, KeyError, TypeError):
             return text[:300]
     return type(exc).__name__
-
-
-class _ViewReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview, so a part is not copied before the SDK
-    reads it (the SDK only takes bytes, str or file objects)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self._view.nbytes - self._pos))
-        buffer[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = self._view.nbytes if size is None or size < 0 else min(self._pos + size, self._view.nbytes)
-        chunk = self._view[self._pos : end].tobytes()
-        self._pos = max(self._pos, end)
-        return chunk
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"option {name} must be true or false, got {value!r}")
 
 
 class GCSStore(Store):
@@ -262,7 +215,7 @@ class GCSStore(Store):
         options = dict(options)
         kwargs = common_store_kwargs(options)
         if "anonymous" in options:
-            kwargs["anonymous"] = _as_bool("anonymous", options.pop("anonymous"))
+            kwargs["anonymous"] = as_bool("anonymous", options.pop("anonymous"))
         if "timeout" in options:
             value = options.pop("timeout")
             try:
@@ -472,7 +425,7 @@ class GCSStore(Store):
         if metadata:
             blob.metadata = metadata
         blob.upload_from_file(
-            _ViewReader(data),
+            ViewReader(data),
             size=data.nbytes,
             content_type="application/octet-stream",
             if_generation_match=if_generation_match,

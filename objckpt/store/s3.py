@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import re
 import threading
 from collections import deque
@@ -74,6 +73,7 @@ from ..errors import (
     StoreError,
     TransientError,
 )
+from ._util import ViewReader, as_bool
 from .base import (
     DEFAULT_READ_CHUNK,
     MiB,
@@ -256,75 +256,15 @@ def map_s3_error(
 # ---------------------------------------------------------------------------- helpers
 
 
-#: bodies up to this size are sent as bytes (one small copy); larger ones through _ViewReader.
+#: bodies up to this size are sent as bytes (one small copy); larger ones through ViewReader.
 #: botocore adds ``Expect: 100-continue`` to file-like bodies, which costs a round trip that
 #: small writes (pointer, manifests) should not pay, and saves re-sending large ones when the
 #: server rejects the request up front.
 _SMALL_BODY = 1 * MiB
 
 
-def _body(data: memoryview) -> bytes | _ViewReader:
-    return data.tobytes() if data.nbytes <= _SMALL_BODY else _ViewReader(data)
-
-
-class _ViewReader(io.RawIOBase):
-    """A seekable, read-only file over a memoryview, so a part is sent without copying it.
-
-    botocore only takes bytes or file objects as a body; ``bytes(view)`` would double the memory
-    held per in-flight part.
-    """
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return self._view.nbytes
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            pos = offset
-        elif whence == io.SEEK_CUR:
-            pos = self._pos + offset
-        else:
-            pos = self._view.nbytes + offset
-        self._pos = max(0, pos)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self._view.nbytes - self._pos)
-        if n <= 0:
-            return 0
-        buffer[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        end = self._view.nbytes if size is None or size < 0 else min(self._pos + size, self._view.nbytes)
-        chunk = self._view[self._pos : end].tobytes()
-        self._pos = max(self._pos, end)
-        return chunk
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"option {name} must be true or false, got {value!r}")
+def _body(data: memoryview) -> bytes | ViewReader:
+    return data.tobytes() if data.nbytes <= _SMALL_BODY else ViewReader(data)
 
 
 def _quoted(etag: str | None) -> str:
@@ -517,7 +457,7 @@ class S3Store(Store):
         kwargs: dict[str, Any] = common_store_kwargs(opts)
         for name in ("path_style", "verified_checksums", "payload_signing"):
             if name in opts:
-                kwargs[name] = _as_bool(name, opts.pop(name))
+                kwargs[name] = as_bool(name, opts.pop(name))
         for name in ("connect_timeout", "read_timeout"):
             if name in opts:
                 try:
@@ -533,7 +473,7 @@ class S3Store(Store):
         if "verify" in opts:
             value = opts.pop("verify")
             if isinstance(value, str) and value.strip().lower() in ("0", "1", "true", "false", "yes", "no"):
-                value = _as_bool("verify", value)
+                value = as_bool("verify", value)
             kwargs["verify"] = value
         for name in ("conditional_writes", "checksum_type"):
             if name in opts:
