@@ -34,6 +34,7 @@ __all__ = [
     "OrphanPrefix",
     "RetentionPolicy",
     "plan_gc",
+    "retain_after_commit",
     "run_gc",
 ]
 
@@ -287,3 +288,35 @@ def run_gc(store: Store, plan: GcPlan) -> GcResult:
         store.abort_upload(u)
         result.aborted_uploads += 1
     return result
+
+
+def retain_after_commit(
+    store: Store,
+    *,
+    keep_last: int | None,
+    keep_every: int | None = None,
+    grace_period: timedelta = DEFAULT_GRACE_PERIOD,
+) -> GcResult | None:
+    """Apply retention right after a commit; never raises.
+
+    Used by the checkpoint manager and the framework plug-ins on the coordinator. A failure is
+    logged, not raised: the save is already committed, and retention only ever deletes what the
+    manifests say is no longer kept (the newest commit, its parent until it verifies, and any
+    save in progress are never touched), so a skipped round is harmless.
+    """
+    if keep_last is None:
+        return None
+    try:
+        policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
+        plan = plan_gc(store, policy, grace_period=grace_period)
+        if plan.empty:
+            return None
+        result = run_gc(store, plan)
+        log.info(
+            "retention: deleted %d checkpoint(s), %d object(s)",
+            len(result.deleted_manifests), result.deleted_objects,
+        )
+        return result
+    except Exception as exc:  # noqa: BLE001 - the save is committed whatever happens here
+        log.warning("retention under %s failed (checkpoints are intact): %s", store.location, exc)
+        return None

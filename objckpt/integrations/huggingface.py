@@ -43,7 +43,7 @@ from typing import Any
 
 from .. import layout
 from ..errors import CommitError, DistributedError, NoCheckpointError
-from ..gc import RetentionPolicy, plan_gc, run_gc
+from ..gc import retain_after_commit
 from ..manifest import Manifest
 from ..reader import Reader
 from ..store import Store
@@ -173,18 +173,10 @@ class ObjckptCallback(_Base):
         return run
 
     def _retain(self) -> None:
-        if self.keep_last is None:
-            return
-        try:
-            plan = plan_gc(
-                self.store, RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every),
-                grace_period=self.gc_grace_period,
-            )
-            if not plan.empty:
-                run_gc(self.store, plan)
-        except Exception as exc:  # noqa: BLE001 - the save is committed whatever happens here
-            log.warning("retention under %s failed (checkpoints are intact): %s", self.store.location, exc)
-
+        retain_after_commit(
+            self.store, keep_last=self.keep_last, keep_every=self.keep_every,
+            grace_period=self.gc_grace_period,
+        )
 
 def _files_under(folder: str) -> list[str]:
     if not os.path.isdir(folder):

@@ -73,7 +73,7 @@ from ..errors import (
     NotFoundError,
     ObjckptError,
 )
-from ..gc import RetentionPolicy, plan_gc, run_gc
+from ..gc import retain_after_commit
 from ..manifest import Manifest, ShardReceipt
 from ..reader import Reader, agree_on_step
 from ..store import Store, open_store
@@ -790,23 +790,10 @@ class CheckpointManager:
         )
 
     def _retain(self) -> None:
-        """Retention after a commit (rank 0). Failures are logged, never raised: the save is
-        committed whatever happens here."""
-        if self.keep_last is None:
-            return
-        try:
-            policy = RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
-            plan = plan_gc(self.store, policy, grace_period=self.gc_grace_period)
-            if not plan.empty:
-                result = run_gc(self.store, plan)
-                log.info(
-                    "retention: deleted %d checkpoint(s), %d object(s)",
-                    len(result.deleted_manifests), result.deleted_objects,
-                )
-        except Exception as exc:  # noqa: BLE001
-            log.warning("retention under %s failed (checkpoints are intact): %s", self.store.location, exc)
-
-    # ------------------------------------------------------------------ restore internals
+        retain_after_commit(
+            self.store, keep_last=self.keep_last, keep_every=self.keep_every,
+            grace_period=self.gc_grace_period,
+        )
 
     def _propose(self, step: int | None, candidates: Iterator[Manifest] | None, rejected: list[str]) -> dict[str, Any]:
         """Rank 0: the next checkpoint to try."""
