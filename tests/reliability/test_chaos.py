@@ -4,7 +4,7 @@ Why: the store contract tests use well-behaved servers, and ``FaultInjectingStor
 ``TransientError``s above the SDK. Real networks break *inside* the SDK: 503 SlowDown documents,
 500s, connections reset mid-body, bodies shorter than their Content-Length, slow answers, and --
 the dangerous one -- a write the server applied whose response never arrived, so the retry meets
-the writer's own object. These tests run the real backends (moto for S3, fake-gcs-server for
+the writer's own object. These tests run the real backends (moto and LocalStack for S3, fake-gcs-server for
 GCS) behind ``objckpt.testing.chaos_proxy.ChaosProxy`` with >= 5% of requests broken, both
 before the upstream sees them and after it applied them, and require byte-identical results.
 Every scenario also requires that retries actually happened, so a green run cannot be one in
@@ -64,10 +64,38 @@ def gcs_server() -> Iterator[Any]:
         srv.stop()
 
 
-@pytest.fixture(params=["s3", "gcs"])
+@pytest.fixture(scope="module")
+def localstack_server() -> Iterator[Any]:
+    """LocalStack, the faithful S3 (atomic conditional writes, verified checksums): moto's
+    conditional writes are not atomic, so the chaos run must also hold against a server where
+    a lost response meets a real precondition check."""
+    from objckpt.testing.s3_servers import LocalStackServer, ServerStartError, create_bucket
+
+    from .harness import localstack_unavailable
+
+    why = localstack_unavailable()
+    if why:
+        pytest.skip(why)
+    try:
+        srv = LocalStackServer().start()
+    except ServerStartError as exc:
+        pytest.skip(f"LocalStack did not start: {str(exc)[:300]}")
+    try:
+        create_bucket(srv.endpoint_url, "chaos")
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(
+    params=["s3", pytest.param("s3_localstack", marks=[pytest.mark.localstack, pytest.mark.slow]), "gcs"]
+)
 def leg(request: pytest.FixtureRequest) -> Iterator[ChaosLeg]:
-    server = request.getfixturevalue("moto_server" if request.param == "s3" else "gcs_server")
-    with chaos_leg(request.param, server, "chaos", seed=SEED) as leg:
+    server = request.getfixturevalue(
+        {"s3": "moto_server", "s3_localstack": "localstack_server", "gcs": "gcs_server"}[request.param]
+    )
+    flavor = "gcs" if request.param == "gcs" else "s3"
+    with chaos_leg(flavor, server, "chaos", seed=SEED) as leg:
         yield leg
 
 
