@@ -16,7 +16,6 @@ software paths, not the disk. Results as JSON (``--out``) and printed.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 from pathlib import Path

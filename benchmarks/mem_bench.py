@@ -21,7 +21,6 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import re
 import subprocess
 import sys

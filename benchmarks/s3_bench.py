@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -46,7 +45,6 @@ from benchmarks.common import (
     fingerprint,
     make_model,
     state_bytes,
-    timed,
     write_json,
     zero,
 )
