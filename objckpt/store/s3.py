@@ -36,7 +36,10 @@ Options (URI query parameters or ``open_store`` keywords):
 ``read_timeout``            seconds without a byte from the server (default 60)
 ``max_pool_connections``    HTTP connections kept (default ``max(2 x max_in_flight, 16)``)
 ``verify``                  ``false`` to skip TLS verification, or a CA bundle path
-``payload_signing``         ``true`` SHA-256-signs bodies even over https (slower)
+``payload_signing``         default ``false``: every body already carries a CRC32C the server
+                            verifies, so botocore's SHA-256 of each body (which it adds over
+                            plain http) costs client CPU and protects nothing more; ``true``
+                            signs bodies on every endpoint
 ``read_concurrency``        ranged GETs in flight for reads larger than ``part_size``
                             (default ``max_in_flight``; ``1``: one streaming GetObject, for
                             servers where a ranged GET costs a whole-object read, e.g. moto)
@@ -418,8 +421,8 @@ class S3Store(Store):
         if path_style is None:
             path_style = endpoint_url is not None  # custom servers rarely have wildcard DNS
         s3_config: dict[str, Any] = {"addressing_style": "path" if path_style else "virtual"}
-        if payload_signing is not None:
-            s3_config["payload_signing_enabled"] = payload_signing
+        # Unsigned payloads: integrity comes from the server-verified CRC32C on every body.
+        s3_config["payload_signing_enabled"] = bool(payload_signing)
         pool = max_pool_connections or max(2 * max(self.max_in_flight, self.read_concurrency), 16)
         if pool < self.max_in_flight:
             raise ConfigError(
