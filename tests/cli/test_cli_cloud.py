@@ -1,5 +1,5 @@
 """The real ``objckpt`` console script against a real moto S3 server and fake-gcs-server:
-ls / show / latest / verify / gc on s3://, and ``cp`` S3 -> GCS -> file:// (plus S3 -> S3 on
+ls / show / latest / verify / gc on s3:// and gs://, and ``cp`` S3 -> GCS -> file:// (plus S3 -> S3 on
 another endpoint) with identical bytes and a valid, verified manifest at every hop."""
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ def _check_hop(uri: str, step: int, source_manifest) -> None:
         store.close()
 
 
-def test_s3_ls_show_latest_verify_gc(moto):
-    uri = _s3_root(moto)
+@pytest.mark.parametrize("server", ["moto", "gcs"])
+def test_ls_show_latest_verify_gc(server, request):
+    """The same commands on s3:// (moto) and gs:// (fake-gcs-server)."""
+    srv = request.getfixturevalue(server)
+    uri = _s3_root(srv) if server == "moto" else srv.uri("cli-gcs", f"runs/{uuid.uuid4().hex[:8]}")
     store = open_store(uri)
     ms = {s: commit_step(store, s, size=2000) for s in (1, 2, 3)}
 
