@@ -6,6 +6,7 @@ Nothing here imports a training framework; torch is imported only by the functio
 
 from __future__ import annotations
 
+import atexit
 import logging
 import platform
 import tempfile
@@ -96,11 +97,56 @@ def dist_world() -> tuple[int, int]:
     return 0, 1
 
 
+#: communicators created by a :class:`Collective` and not closed yet (strong references to the
+#: communicators only, never to their owners), closed by :func:`_close_open_comms` at exit
+_open_comms: dict[int, Any] = {}
+_open_comms_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _close_open_comms() -> None:
+    """``atexit``: destroy the gloo groups of every communicator still open.
+
+    A ``ProcessGroupGloo`` left to the interpreter's finalization is torn down (its worker and
+    transport threads joined) while the interpreter is being dismantled, which can abort the
+    process (``terminate called without an active exception``, exit code -6) after the work
+    itself succeeded. Running this while the interpreter is still whole avoids that for the groups
+    objckpt created; ``atexit`` runs it before any handler registered earlier, such as one that
+    destroys the default group.
+    """
+    with _open_comms_lock:
+        comms = list(_open_comms.values())
+        _open_comms.clear()
+    for comm in comms:
+        try:
+            comm.close()
+        except Exception as exc:  # noqa: BLE001 - best effort at exit
+            log.debug("closing objckpt's checkpoint process groups at exit failed: %s", exc)
+
+
+def _track(comm: Any) -> None:
+    global _atexit_registered
+    with _open_comms_lock:
+        _open_comms[id(comm)] = comm
+        if not _atexit_registered:
+            atexit.register(_close_open_comms)
+            _atexit_registered = True
+
+
+def _untrack(comm: Any) -> None:
+    with _open_comms_lock:
+        _open_comms.pop(id(comm), None)
+
+
 class Collective:
     """objckpt's checkpoint collectives (:mod:`objckpt.training.dist`), created on first use.
 
     Creating them is itself a collective on the default group (two ``new_group`` calls), so the
     first call that needs them must be made by every rank, as every method here must.
+
+    The gloo groups are released by :meth:`close` (the plug-ins call it from their teardown, on
+    every rank); a later call creates new ones. Groups still open when the interpreter exits are
+    destroyed by an ``atexit`` handler, never left to the interpreter's finalization.
     """
 
     def __init__(self, *, timeout: float, handshake_timeout: float) -> None:
@@ -113,9 +159,12 @@ class Collective:
     def comm(self) -> Any:
         with self._lock:
             if self._comm is None:
-                from ..training.dist import make_comm
+                from ..training.dist import DistComm, make_comm
 
-                self._comm = make_comm(timeout=self.timeout, handshake_timeout=self.handshake_timeout)
+                comm = make_comm(timeout=self.timeout, handshake_timeout=self.handshake_timeout)
+                if isinstance(comm, DistComm):
+                    _track(comm)
+                self._comm = comm
             return self._comm
 
     @property
@@ -131,10 +180,18 @@ class Collective:
         return self.comm.agree(obj, decide, what, handshake=handshake)
 
     def close(self) -> None:
+        """Destroy the gloo groups (if any were created) and drop every reference to them, so
+        their threads are joined now, not at interpreter exit. Every rank should call it; it is
+        local (no messages), idempotent, and never raises."""
         with self._lock:
-            if self._comm is not None:
-                self._comm.close()
-                self._comm = None
+            comm, self._comm = self._comm, None
+        if comm is None:
+            return
+        _untrack(comm)
+        try:
+            comm.close()
+        except Exception as exc:  # noqa: BLE001 - releasing resources: log, never raise
+            log.warning("could not destroy objckpt's checkpoint process groups: %s", exc)
 
 
 def error_report(exc: BaseException) -> str:

@@ -353,5 +353,16 @@ class ObjckptCheckpointIO(_CheckpointIO):
                          step, plan.kept.get(step, "not yet safe"))
 
     def teardown(self) -> None:
-        """Retry pending removals; the store stays open (Lightning may fit again)."""
-        self._collect_pending()
+        """Retry pending removals, then destroy the gloo groups this plug-in created for its
+        load collectives (Lightning calls ``teardown`` on every rank at the end of each
+        ``fit``/``validate``/...). The store stays open: Lightning may fit again, and the next
+        collective load creates new groups.
+
+        ``AsyncCheckpointIO.teardown`` does not call the wrapped plug-in's; groups that no
+        ``teardown`` released are destroyed at interpreter exit (``atexit``), never left to the
+        interpreter's finalization.
+        """
+        try:
+            self._collect_pending()
+        finally:
+            self._collective.close()

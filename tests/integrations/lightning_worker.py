@@ -71,6 +71,10 @@ def main(root: str, out: str, mode: str) -> None:
     trainer.fit(model, loader, ckpt_path="epoch=0-step=4.ckpt" if mode == "resume" else None)
     if trainer.global_rank == 0:
         torch.save({"start": model.at_start, "end": snapshot(model)}, f"{out}/{mode}.pt")
+    # Lightning destroys the default group only for nccl; a gloo group left to the interpreter's
+    # finalization can abort the process at exit. A well-behaved script destroys it once done.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
