@@ -11,6 +11,7 @@ import logging
 import platform
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
@@ -97,37 +98,41 @@ def dist_world() -> tuple[int, int]:
     return 0, 1
 
 
-#: communicators created by a :class:`Collective` and not closed yet (strong references to the
-#: communicators only, never to their owners), closed by :func:`_close_open_comms` at exit
-_open_comms: dict[int, Any] = {}
+#: communicators created by a :class:`Collective` and not closed yet, with a weak reference to
+#: their owner; whatever is still here at exit is closed by :func:`_close_open_comms`
+_open_comms: dict[int, tuple[Any, weakref.ref[Collective]]] = {}
 _open_comms_lock = threading.Lock()
 _atexit_registered = False
 
 
 def _close_open_comms() -> None:
-    """``atexit``: destroy the gloo groups of every communicator still open.
+    """``atexit``: destroy the gloo groups of every communicator still open, and drop them.
 
-    A ``ProcessGroupGloo`` left to the interpreter's finalization is torn down (its worker and
-    transport threads joined) while the interpreter is being dismantled, which can abort the
-    process (``terminate called without an active exception``, exit code -6) after the work
-    itself succeeded. Running this while the interpreter is still whole avoids that for the groups
-    objckpt created; ``atexit`` runs it before any handler registered earlier, such as one that
-    destroys the default group.
+    A ``ProcessGroupGloo`` still referenced when the interpreter finalizes is torn down (its
+    worker and transport threads joined) while the interpreter is being dismantled, which can
+    abort the process (``terminate called without an active exception``, exit code -6) after the
+    work itself succeeded. This runs while the interpreter is still whole; ``atexit`` runs it
+    before handlers registered earlier, such as one that destroys the default group.
     """
     with _open_comms_lock:
-        comms = list(_open_comms.values())
+        entries = list(_open_comms.values())
         _open_comms.clear()
-    for comm in comms:
+    for comm, owner_ref in entries:
+        owner = owner_ref()
         try:
-            comm.close()
+            if owner is not None:
+                owner.close()  # also drops the owner's reference to the groups
+            else:
+                comm.close()
         except Exception as exc:  # noqa: BLE001 - best effort at exit
             log.debug("closing objckpt's checkpoint process groups at exit failed: %s", exc)
+    # returning drops the last references: the groups are freed now, not at finalization
 
 
-def _track(comm: Any) -> None:
+def _track(comm: Any, owner: Collective) -> None:
     global _atexit_registered
     with _open_comms_lock:
-        _open_comms[id(comm)] = comm
+        _open_comms[id(comm)] = (comm, weakref.ref(owner))
         if not _atexit_registered:
             atexit.register(_close_open_comms)
             _atexit_registered = True
@@ -163,7 +168,7 @@ class Collective:
 
                 comm = make_comm(timeout=self.timeout, handshake_timeout=self.handshake_timeout)
                 if isinstance(comm, DistComm):
-                    _track(comm)
+                    _track(comm, self)
                 self._comm = comm
             return self._comm
 
@@ -180,9 +185,9 @@ class Collective:
         return self.comm.agree(obj, decide, what, handshake=handshake)
 
     def close(self) -> None:
-        """Destroy the gloo groups (if any were created) and drop every reference to them, so
-        their threads are joined now, not at interpreter exit. Every rank should call it; it is
-        local (no messages), idempotent, and never raises."""
+        """Destroy the gloo groups (if any were created) and drop this object's reference to
+        them, so their threads are joined now, not at interpreter exit. Every rank should call
+        it; it sends nothing, is idempotent and never raises."""
         with self._lock:
             comm, self._comm = self._comm, None
         if comm is None:
