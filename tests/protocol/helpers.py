@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 from objckpt import layout
 from objckpt._crc import crc32c_b64
 from objckpt._retry import RetryPolicy
 from objckpt.commit import Coordinator
+from objckpt.errors import CommitError
 from objckpt.manifest import Manifest, Pointer, ShardReceipt
 from objckpt.store.base import PutMode, Store
 from objckpt.store.memory import MemoryStore
@@ -74,3 +76,27 @@ def forge_manifest(m: Manifest, **changes: object) -> bytes:
 
     body = {**m.body(), **changes}
     return canonical_json({**body, "checksum": hashlib.sha256(canonical_json(body)).hexdigest()})
+
+
+def race_two_attempts(store: Store, step: int) -> list[object]:
+    """Two coordinators commit two fully written attempts of ``step`` at the same moment;
+    returns each one's outcome (a Manifest or the CommitError it raised)."""
+    attempts = [layout.new_attempt_id() for _ in range(2)]
+    receipts = [{r: write_rank(store, step, a, r) for r in range(2)} for a in attempts]
+    barrier = threading.Barrier(2)
+    outcomes: list[object] = [None, None]
+
+    def run(i: int) -> None:
+        coord = Coordinator(store, world_size=2)
+        barrier.wait()
+        try:
+            outcomes[i] = coord.commit(step, attempts[i], receipts[i])
+        except CommitError as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes

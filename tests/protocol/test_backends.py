@@ -10,7 +10,7 @@ import pytest
 
 from objckpt import layout
 from objckpt.commit import Coordinator
-from objckpt.errors import AlreadyExistsError, CommitConflict, CommitError
+from objckpt.errors import AlreadyExistsError, CommitConflict
 from objckpt.gc import RetentionPolicy, plan_gc, run_gc
 from objckpt.manifest import Manifest
 from objckpt.reader import Reader
@@ -19,7 +19,7 @@ from objckpt.writer import ShardWriter
 from tests.backends import GAP_CONDITIONAL_COMPLETE
 from tests.conftest import expect_gap
 
-from .helpers import save, write_rank
+from .helpers import race_two_attempts, save, write_rank
 
 WORLD = 2
 # S3's minimum part size (and a multiple of GCS's 256 KiB resumable chunk), so one part size
@@ -90,24 +90,7 @@ def test_shards_are_never_overwritten(store, backend, request, multipart):
 
 
 def test_two_attempts_one_step_exactly_one_manifest(store):
-    attempts = [layout.new_attempt_id() for _ in range(2)]
-    receipts = [{r: write_rank(store, 9, a, r) for r in range(2)} for a in attempts]
-    barrier = threading.Barrier(2)
-    outcomes: list[object] = [None, None]
-
-    def run(i: int) -> None:
-        coord = Coordinator(store, world_size=2)
-        barrier.wait()
-        try:
-            outcomes[i] = coord.commit(9, attempts[i], receipts[i])
-        except CommitError as exc:
-            outcomes[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outcomes = race_two_attempts(store, 9)
     assert sorted(type(o).__name__ for o in outcomes) == ["CommitConflict", "Manifest"], outcomes
     winner = next(o for o in outcomes if isinstance(o, Manifest))
     assert Reader(store).steps() == [9] and Reader(store).load(9) == winner

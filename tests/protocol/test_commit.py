@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import replace
 
 import pytest
@@ -18,7 +17,7 @@ from objckpt.store.memory import MemoryStore
 from objckpt.store.wrappers import CountingStore, Fault, FaultInjectingStore
 from objckpt.writer import ShardWriter
 
-from .helpers import FAST_RETRY, memory_store, save, write_rank
+from .helpers import FAST_RETRY, memory_store, race_two_attempts, save, write_rank
 
 
 def manifests_in(store) -> list[str]:
@@ -123,24 +122,7 @@ def test_store_check_costs_one_list_per_1000_shards_and_no_heads():
 
 def test_two_attempts_one_step_exactly_one_manifest():
     store = memory_store()
-    attempts = [layout.new_attempt_id() for _ in range(2)]
-    receipts = [{r: write_rank(store, 9, a, r) for r in range(2)} for a in attempts]
-    barrier = threading.Barrier(2)
-    outcomes: list[object] = [None, None]
-
-    def run(i: int) -> None:
-        coord = Coordinator(store, world_size=2)
-        barrier.wait()
-        try:
-            outcomes[i] = coord.commit(9, attempts[i], receipts[i])
-        except CommitError as exc:
-            outcomes[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outcomes = race_two_attempts(store, 9)
     winners = [o for o in outcomes if isinstance(o, Manifest)]
     losers = [o for o in outcomes if isinstance(o, CommitConflict)]
     assert len(winners) == 1 and len(losers) == 1, outcomes
