@@ -373,11 +373,8 @@ def test_plan_failure_rate_and_custom_intervals():
     assert plain[0]["expected_loss_s"] == pytest.approx(450 + 300)
 
 
-def test_demo_without_the_demo_module_is_a_clear_error():
-    try:
-        import objckpt.demo  # noqa: F401
-    except ImportError:
-        r = run_cli("demo")
-        assert r.rc == 2 and "demo" in r.err and "Traceback" not in r.err
-    else:
-        pytest.skip("objckpt.demo exists; the demo itself is tested by its owner")
+def test_demo_subcommand_reaches_the_demo():
+    """`objckpt demo --help` is the demo's own help (the demo itself runs in tests/training)."""
+    r = run_cli("demo", "--help")
+    assert r.rc == 0, r.err
+    assert "rank" in r.out.lower() and "Traceback" not in r.err
