@@ -278,6 +278,14 @@ def _object_url(store: Any, key: str) -> str:
 # ---------------------------------------------------------------------------------- commands
 
 
+def _run_root(value: str, command: str, hint: str = "") -> str:
+    """The run root of a command that takes no ``@STEP`` (usage error otherwise)."""
+    uri, step = split_step(value)
+    if step is not None:
+        raise CliError(f"{command} takes a run root, not URI@STEP{hint}", EXIT_USAGE)
+    return uri
+
+
 def _resolve(reader: Any, step: int | None, where: str) -> Any:
     if step is not None:
         return reader.load(step)
@@ -292,9 +300,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from .errors import ManifestError
     from .reader import Reader
 
-    uri, step = split_step(args.uri)
-    if step is not None:
-        raise CliError("ls takes a run root, not URI@STEP (use 'objckpt show URI@STEP')", EXIT_USAGE)
+    uri = _run_root(args.uri, "ls", " (use 'objckpt show URI@STEP')")
     store = _open(uri, args.store_options)
     reader = Reader(store)
     pointer = reader.pointer()
@@ -424,9 +430,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_latest(args: argparse.Namespace) -> int:
     from .reader import Reader
 
-    uri, step = split_step(args.uri)
-    if step is not None:
-        raise CliError("latest takes a run root, not URI@STEP", EXIT_USAGE)
+    uri = _run_root(args.uri, "latest")
     store = _open(uri, args.store_options)
     where = _display_uri(uri)
     reader = Reader(store)
@@ -516,9 +520,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from . import gc as gcmod
     from .planner import parse_duration
 
-    uri, step = split_step(args.uri)
-    if step is not None:
-        raise CliError("gc takes a run root, not URI@STEP (use --pin STEP to keep a step)", EXIT_USAGE)
+    uri = _run_root(args.uri, "gc", " (use --pin STEP to keep a step)")
     if args.keep_last < 0:
         raise CliError("--keep-last must be >= 0 (the latest checkpoint is always kept)", EXIT_USAGE)
     if args.keep_every is not None and args.keep_every < 1:

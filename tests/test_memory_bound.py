@@ -20,6 +20,8 @@ A memory bound, not a timing: it holds on a loaded machine too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import threading
 import tracemalloc
 from collections.abc import Iterator
@@ -88,17 +90,22 @@ class _SamplingMemoryStore(MemoryStore):
         return result
 
 
-def test_file_store_save_peak_heap_is_bounded(tmp_path: Path) -> None:
-    store = LocalStore(str(tmp_path / "root"), part_size=PART, max_in_flight=IN_FLIGHT)
-    backing = _backing()
+def _traced_peak(run: Callable[[], object]) -> int:
+    """Peak heap (tracemalloc) allocated above the starting level while ``run()`` executes."""
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        _save(store, backing)
-        peak = tracemalloc.get_traced_memory()[1] - base
+        run()
+        return tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
+
+
+def test_file_store_save_peak_heap_is_bounded(tmp_path: Path) -> None:
+    store = LocalStore(str(tmp_path / "root"), part_size=PART, max_in_flight=IN_FLIGHT)
+    backing = _backing()
+    peak = _traced_peak(lambda: _save(store, backing))
     manifest = Reader(store).latest()
     assert manifest is not None and manifest.total_size == STATE
     assert manifest.shards[0].parts == STATE // PART
@@ -112,6 +119,7 @@ def test_file_store_save_peak_heap_is_bounded(tmp_path: Path) -> None:
 def test_memory_store_save_client_heap_is_bounded() -> None:
     store = _SamplingMemoryStore("mem-bound")
     backing = _backing()
+    # samples are absolute traced sizes, so this test keeps its own base
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
