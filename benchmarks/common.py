@@ -52,8 +52,9 @@ class Series:
     def fmt(self, digits: int = 2, unit: str = "") -> str:
         if not self.values:
             return "n/a"
-        return (f"{self.median:.{digits}f}{unit} [{self.lo:.{digits}f}-{self.hi:.{digits}f}]"
-                f" n={len(self.values)}")
+        return (
+            f"{self.median:.{digits}f}{unit} [{self.lo:.{digits}f}-{self.hi:.{digits}f}] n={len(self.values)}"
+        )
 
 
 def paired_ratios(base: list[float], ours: list[float]) -> Series:
@@ -131,7 +132,9 @@ def localstack_version() -> str:
     py = Path(os.environ.get("OBJCKPT_LOCALSTACK_VENV") or DEFAULT_LOCALSTACK_VENV) / "bin" / "python"
     out = subprocess.run(
         [str(py), "-c", "import importlib.metadata as m; print(m.version('localstack-core'))"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     return out.stdout.strip() or "?"
 
@@ -150,8 +153,7 @@ def start_server(kind: str, endpoint: str | None = None) -> Iterator[Server]:
         return
     with _server_object(kind) as srv:
         create_bucket(srv.endpoint_url, BUCKET)
-        yield Server(kind, srv.endpoint_url, version, srv.startup_seconds or 0.0,
-                     dict(srv.store_options))
+        yield Server(kind, srv.endpoint_url, version, srv.startup_seconds or 0.0, dict(srv.store_options))
 
 
 def localstack_available() -> bool:

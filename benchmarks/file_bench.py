@@ -58,11 +58,15 @@ def bench(total: int, n_tensors: int, runs: int, dcp_threads: int, root: Path) -
     def dcp_fs(op: str, run: int, d: Path) -> None:
         if op == "save":
             w = FileSystemWriter(str(d), thread_count=dcp_threads)
-            times["dcp_fs"]["save"].append(list(timed(lambda: dcp.save(model.state_dict(), storage_writer=w))))
+            times["dcp_fs"]["save"].append(
+                list(timed(lambda: dcp.save(model.state_dict(), storage_writer=w)))
+            )
         else:
             zero(model)
             r = FileSystemReader(str(d))
-            times["dcp_fs"]["load"].append(list(timed(lambda: dcp.load(model.state_dict(), storage_reader=r))))
+            times["dcp_fs"]["load"].append(
+                list(timed(lambda: dcp.load(model.state_dict(), storage_reader=r)))
+            )
             assert fingerprint(model) == fp, "DCP file load returned other content"
 
     cases = {"objckpt": objckpt, "dcp_fs": dcp_fs}
@@ -78,8 +82,13 @@ def bench(total: int, n_tensors: int, runs: int, dcp_threads: int, root: Path) -
                 times[c] = keep[c]
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
-    return {"state_bytes": state_bytes(model), "n_tensors": n_tensors, "times": times,
-            "dcp_threads": dcp_threads, "dir": str(root)}
+    return {
+        "state_bytes": state_bytes(model),
+        "n_tensors": n_tensors,
+        "times": times,
+        "dcp_threads": dcp_threads,
+        "dir": str(root),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     for op in ("save", "load"):
         ours = [w for w, _ in t["objckpt"][op]]
         base = [w for w, _ in t["dcp_fs"][op]]
-        print(f"{op}: objckpt {Series(ours).fmt(2, 's')}  dcp {Series(base).fmt(2, 's')}  "
-              f"speed ratio {paired_ratios(base, ours).fmt(2, 'x')}")
+        print(
+            f"{op}: objckpt {Series(ours).fmt(2, 's')}  dcp {Series(base).fmt(2, 's')}  "
+            f"speed ratio {paired_ratios(base, ours).fmt(2, 'x')}"
+        )
     return 0
 
 

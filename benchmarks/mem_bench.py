@@ -47,8 +47,9 @@ def _trim() -> None:
         pass
 
 
-def child(store_uri: str, options: dict[str, str], size: int, n_tensors: int,
-          part_size: int, width: int, out: str) -> None:
+def child(
+    store_uri: str, options: dict[str, str], size: int, n_tensors: int, part_size: int, width: int, out: str
+) -> None:
     import torch
 
     from objckpt.store import open_store
@@ -86,8 +87,16 @@ def child(store_uri: str, options: dict[str, str], size: int, n_tensors: int,
     write_json(out, result)
 
 
-def measure(store: str, sizes_mib: list[int], *, n_tensors: int = 16, part_size: int = 16 * MiB,
-            width: int = 8, server: Any = None, timeout: float = 900) -> list[dict[str, Any]]:
+def measure(
+    store: str,
+    sizes_mib: list[int],
+    *,
+    n_tensors: int = 16,
+    part_size: int = 16 * MiB,
+    width: int = 8,
+    server: Any = None,
+    timeout: float = 900,
+) -> list[dict[str, Any]]:
     """One subprocess per size; ``store`` is ``file`` or ``s3`` (then ``server`` is a
     :class:`benchmarks.common.Server`)."""
     from objckpt.testing.s3_servers import child_env
@@ -103,12 +112,14 @@ def measure(store: str, sizes_mib: list[int], *, n_tensors: int = 16, part_size:
             args = json.dumps([uri, options, mib * MiB, n_tensors, part_size, width, str(out)])
             proc = subprocess.run(
                 [sys.executable, "-m", "benchmarks.mem_bench", "--child", args],
-                cwd=REPO, env=child_env({"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}),
-                capture_output=True, text=True, timeout=timeout,
+                cwd=REPO,
+                env=child_env({"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
             )
             if proc.returncode != 0 or not out.exists():
-                rows.append({"store": store, "mib": mib,
-                             "error": (proc.stdout + proc.stderr)[-2000:]})
+                rows.append({"store": store, "mib": mib, "error": (proc.stdout + proc.stderr)[-2000:]})
                 continue
             row = json.loads(out.read_text())
             row.update(store=store, mib=mib)
@@ -145,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(r["store"], r["mib"], "ERROR", r["error"])
             continue
-        print(f"{r['store']} {r['mib']} MiB: save extra RSS {r['save']['extra_rss'] / MiB:.1f} MiB, "
-              f"traced peak {r['save']['traced_peak'] / MiB:.1f} MiB; restore extra RSS "
-              f"{r['restore']['extra_rss'] / MiB:.1f} MiB")
+        print(
+            f"{r['store']} {r['mib']} MiB: save extra RSS {r['save']['extra_rss'] / MiB:.1f} MiB, "
+            f"traced peak {r['save']['traced_peak'] / MiB:.1f} MiB; restore extra RSS "
+            f"{r['restore']['extra_rss'] / MiB:.1f} MiB"
+        )
     return 0
 
 

@@ -33,18 +33,27 @@ def build(store: Any, n: int) -> None:
     def one(step: int) -> Manifest:
         attempt = layout.new_attempt_id()
         receipt = ShardReceipt(
-            key=layout.shard_key(step, attempt, 0, "rank.bin"), size=1, version='"v"',
-            crc32c=crc32c_b64(b"x"), rank=0, name="rank.bin",
+            key=layout.shard_key(step, attempt, 0, "rank.bin"),
+            size=1,
+            version='"v"',
+            crc32c=crc32c_b64(b"x"),
+            rank=0,
+            name="rank.bin",
         )
-        m = Manifest.create(step=step, attempt=attempt, world_size=1, shards=[receipt],
-                            progress={"global_step": step}, parent=step - 1 if step > 1 else None)
+        m = Manifest.create(
+            step=step,
+            attempt=attempt,
+            world_size=1,
+            shards=[receipt],
+            progress={"global_step": step},
+            parent=step - 1 if step > 1 else None,
+        )
         store.put(m.key, m.encode(), mode=PutMode.CREATE)
         return m
 
     with ThreadPoolExecutor(16) as pool:
         manifests = list(pool.map(one, range(1, n + 1)))
-    store.put(layout.POINTER_KEY, Pointer.for_manifest(manifests[-1]).encode(),
-              mode=PutMode.OVERWRITE)
+    store.put(layout.POINTER_KEY, Pointer.for_manifest(manifests[-1]).encode(), mode=PutMode.OVERWRITE)
 
 
 def measure(open_store_fn: Any, counts: list[int], runs: int = 5) -> list[dict[str, Any]]:
@@ -73,8 +82,16 @@ def measure(open_store_fn: Any, counts: list[int], runs: int = 5) -> list[dict[s
                 times.values.append(time.perf_counter() - t)
                 assert m is not None and m.step == n, (m, n)
                 counts_seen = dict(counting.counts)
-            rows.append({"n": n, "case": case, "requests": sum(counts_seen.values()),
-                         "by_op": counts_seen, "seconds": times.values, "build_s": build_s})
+            rows.append(
+                {
+                    "n": n,
+                    "case": case,
+                    "requests": sum(counts_seen.values()),
+                    "by_op": counts_seen,
+                    "seconds": times.values,
+                    "build_s": build_s,
+                }
+            )
         store.delete(meta.key for meta in store.list(""))
         store.close()
     return rows
@@ -90,11 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     from objckpt.store import open_store
 
     with start_server(args.server, args.endpoint) as srv:
-        rows = measure(lambda p: open_store(f"s3://{BUCKET}/{p}", **srv.store_options),
-                       args.n or [10, 100, 1000])
+        rows = measure(
+            lambda p: open_store(f"s3://{BUCKET}/{p}", **srv.store_options), args.n or [10, 100, 1000]
+        )
     for r in rows:
-        print(f"N={r['n']:>5} {r['case']:<10} requests {r['requests']} {r['by_op']} "
-              f"time {Series(r['seconds']).fmt(4, 's')} (built in {r['build_s']:.1f}s)")
+        print(
+            f"N={r['n']:>5} {r['case']:<10} requests {r['requests']} {r['by_op']} "
+            f"time {Series(r['seconds']).fmt(4, 's')} (built in {r['build_s']:.1f}s)"
+        )
     return 0
 
 

@@ -54,10 +54,24 @@ BASELINE_NAMES = {
     "dcp_fs": "DCP FileSystemWriter/Reader",
 }
 MODES = {
-    "quick": {"mib": 64, "tensors": 16, "runs": 3, "worlds": [1, 2], "mem_mib": [64, 256],
-              "resolve": [10, 100, 1000], "file_mib": 64},
-    "full": {"mib": 512, "tensors": 16, "runs": 3, "worlds": [1, 2], "mem_mib": [64, 256, 512],
-             "resolve": [10, 100, 1000], "file_mib": 512},
+    "quick": {
+        "mib": 64,
+        "tensors": 16,
+        "runs": 3,
+        "worlds": [1, 2],
+        "mem_mib": [64, 256],
+        "resolve": [10, 100, 1000],
+        "file_mib": 64,
+    },
+    "full": {
+        "mib": 512,
+        "tensors": 16,
+        "runs": 3,
+        "worlds": [1, 2],
+        "mem_mib": [64, 256, 512],
+        "resolve": [10, 100, 1000],
+        "file_mib": 512,
+    },
 }
 
 
@@ -75,21 +89,34 @@ def s3_legs(kind: str, mode: dict[str, Any], out_dir: Path, endpoint: str | None
     with start_server(kind, endpoint) as srv:
         res["server_label"] = srv.label
         res["startup_s"] = srv.startup_s
-        res["store_options"] = {k: v for k, v in srv.store_options.items()
-                                if k not in ("access_key_id", "secret_access_key", "endpoint_url")}
+        res["store_options"] = {
+            k: v
+            for k, v in srv.store_options.items()
+            if k not in ("access_key_id", "secret_access_key", "endpoint_url")
+        }
         for ws in mode["worlds"]:
             cases = list(CASES)
             if ws == 1:
                 cases.append("objckpt_async")
-            cfg = default_cfg(srv, ws, mode["mib"] * MiB, mode["tensors"], mode["runs"], cases,
-                              str(out_dir / f"s3-{kind}-w{ws}.json"))
+            cfg = default_cfg(
+                srv,
+                ws,
+                mode["mib"] * MiB,
+                mode["tensors"],
+                mode["runs"],
+                cases,
+                str(out_dir / f"s3-{kind}-w{ws}.json"),
+            )
             log(f"S3 legs on {srv.label}, {ws} rank(s), {mode['mib']} MiB, {mode['runs']} runs")
             t = time.monotonic()
             res["worlds"][ws] = run_world(cfg, timeout=mode.get("s3_timeout", 3000))
-            res["worlds"][ws]["config"] = {k: v for k, v in cfg.items()
-                                           if k not in ("store_options", "endpoint", "out")}
-            log(f"  done in {time.monotonic() - t:.0f}s; errors: "
-                f"{res['worlds'][ws].get('errors') or res['worlds'][ws].get('error', '')[:300] or 'none'}")
+            res["worlds"][ws]["config"] = {
+                k: v for k, v in cfg.items() if k not in ("store_options", "endpoint", "out")
+            }
+            log(
+                f"  done in {time.monotonic() - t:.0f}s; errors: "
+                f"{res['worlds'][ws].get('errors') or res['worlds'][ws].get('error', '')[:300] or 'none'}"
+            )
     return res
 
 
@@ -100,9 +127,25 @@ def file_leg(mode: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     out.unlink(missing_ok=True)
     log(f"file:// leg, {mode['file_mib']} MiB, {mode['runs']} runs")
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "benchmarks.file_bench", "--mib", str(mode["file_mib"]),
-         "--tensors", str(mode["tensors"]), "--runs", str(mode["runs"]), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=3000,
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "benchmarks.file_bench",
+            "--mib",
+            str(mode["file_mib"]),
+            "--tensors",
+            str(mode["tensors"]),
+            "--runs",
+            str(mode["runs"]),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=3000,
     )
     if proc.returncode != 0 or not out.exists():
         return {"error": (proc.stdout + proc.stderr)[-3000:]}
@@ -130,8 +173,7 @@ def resolve_leg(mode: dict[str, Any], kind: str, endpoint: str | None) -> dict[s
 
     with start_server(kind, endpoint) as srv:
         log(f"resolve leg on {srv.label}, N = {mode['resolve']}")
-        rows = measure(lambda p: open_store(f"s3://{BUCKET}/{p}", **srv.store_options),
-                       mode["resolve"])
+        rows = measure(lambda p: open_store(f"s3://{BUCKET}/{p}", **srv.store_options), mode["resolve"])
         return {"server": srv.label, "rows": rows}
 
 
@@ -166,17 +208,21 @@ def render(results: dict[str, Any]) -> str:
     for k, v in results["machine"].items():
         add(f"| {k} | {v} |")
     add("")
-    add(f"State: {cfg['mib']} MiB in {cfg['tensors']} float32 tensors (an `nn.Module`, identical on "
+    add(
+        f"State: {cfg['mib']} MiB in {cfg['tensors']} float32 tensors (an `nn.Module`, identical on "
         "every rank as under DDP). objckpt: part 16 MiB x 8 in flight (store defaults); raw "
         "boto3: same part size and width; DCP writers: `thread_count=8`. Speed ratio = baseline "
         "time / objckpt time per interleaved run, median [min-max] of "
-        f"{cfg['runs']} runs; > 1 means objckpt is faster.")
+        f"{cfg['runs']} runs; > 1 means objckpt is faster."
+    )
     add("")
 
     # -- 1, 2: S3
     add("### 1-2. Save / load over S3 (objckpt `CheckpointManager` vs baselines)")
     add("")
-    add("| server | ranks | op | baseline | objckpt s | baseline s | speed ratio | goal | met | client CPU s objckpt / baseline (rank 0) |")
+    add(
+        "| server | ranks | op | baseline | objckpt s | baseline s | speed ratio | goal | met | client CPU s objckpt / baseline (rank 0) |"
+    )
     add("|---|---|---|---|---|---|---|---|---|---|")
     notes: list[str] = []
     for s3 in results.get("s3", []):
@@ -197,15 +243,23 @@ def render(results: dict[str, Any]) -> str:
                     theirs = _walls(t, base, op)
                     goal = GOALS[base]
                     if not theirs or not ours:
-                        why = (w.get("errors") or {}).get(base) or (w.get("errors") or {}).get("objckpt") or "not run"
-                        add(f"| {s3['server_label']} | {ws} | {op} | {BASELINE_NAMES[base]} | "
-                            f"{Series(ours).fmt(2)} | n/a | n/a | >= {goal} | not measured: {why[:160]} | |")
+                        why = (
+                            (w.get("errors") or {}).get(base)
+                            or (w.get("errors") or {}).get("objckpt")
+                            or "not run"
+                        )
+                        add(
+                            f"| {s3['server_label']} | {ws} | {op} | {BASELINE_NAMES[base]} | "
+                            f"{Series(ours).fmt(2)} | n/a | n/a | >= {goal} | not measured: {why[:160]} | |"
+                        )
                         continue
                     ratio = paired_ratios(theirs, ours)
-                    add(f"| {s3['server_label']} | {ws} | {op} | {BASELINE_NAMES[base]} | "
+                    add(
+                        f"| {s3['server_label']} | {ws} | {op} | {BASELINE_NAMES[base]} | "
                         f"{Series(ours).fmt(2)} | {Series(theirs).fmt(2)} | {ratio.fmt(2, 'x')} | "
                         f">= {goal} | {_met(ratio, goal)} | "
-                        f"{Series(_cpus(t, 'objckpt', op)).median:.2f} / {Series(_cpus(t, base, op)).median:.2f} |")
+                        f"{Series(_cpus(t, 'objckpt', op)).median:.2f} / {Series(_cpus(t, base, op)).median:.2f} |"
+                    )
     add("")
     if notes:
         add("Errors recorded by the runs:")
@@ -219,16 +273,20 @@ def render(results: dict[str, Any]) -> str:
     add("")
     f = results.get("file", {})
     if "times" in f:
-        add(f"Same disk ({f['dir']}), {f['state_bytes'] / MiB:.0f} MiB, DCP `thread_count="
-            f"{f['dcp_threads']}`, `sync_files=True`; loads come from the page cache for both.")
+        add(
+            f"Same disk ({f['dir']}), {f['state_bytes'] / MiB:.0f} MiB, DCP `thread_count="
+            f"{f['dcp_threads']}`, `sync_files=True`; loads come from the page cache for both."
+        )
         add("")
         add("| op | objckpt s | DCP s | speed ratio | goal | met |")
         add("|---|---|---|---|---|---|")
         for op in ("save", "load"):
             ours, theirs = _walls(f["times"], "objckpt", op), _walls(f["times"], "dcp_fs", op)
             ratio = paired_ratios(theirs, ours)
-            add(f"| {op} | {Series(ours).fmt(2)} | {Series(theirs).fmt(2)} | {ratio.fmt(2, 'x')} | "
-                f">= 1.0 | {_met(ratio, 1.0)} |")
+            add(
+                f"| {op} | {Series(ours).fmt(2)} | {Series(theirs).fmt(2)} | {ratio.fmt(2, 'x')} | "
+                f">= 1.0 | {_met(ratio, 1.0)} |"
+            )
     else:
         add(f"error: {f.get('error', 'not run')[:1500]}")
     add("")
@@ -249,26 +307,34 @@ def render(results: dict[str, Any]) -> str:
         block = w.get("async_blocking", [])
         add("| server | sync save s | save_async blocking s | save_async total s | blocking / sync |")
         add("|---|---|---|---|---|")
-        add(f"| {label} | {Series(sync).fmt(2)} | {Series(block).fmt(3)} | {Series(total).fmt(2)} | "
-            f"{paired_ratios(block, sync).fmt(3)} |")
+        add(
+            f"| {label} | {Series(sync).fmt(2)} | {Series(block).fmt(3)} | {Series(total).fmt(2)} | "
+            f"{paired_ratios(block, sync).fmt(3)} |"
+        )
     else:
         why = ""
         if asy:
             why = (asy[1].get("errors") or {}).get("objckpt_async", "")
-        add(f"**Not measured yet**: {why or '`CheckpointManager.save_async` does not exist in this tree'}."
+        add(
+            f"**Not measured yet**: {why or '`CheckpointManager.save_async` does not exist in this tree'}."
             " The harness (`s3_bench` case `objckpt_async`) times it as soon as it does: the "
-            "blocking part (call to return) and the total (to committed) against a sync save.")
+            "blocking part (call to return) and the total (to committed) against a sync save."
+        )
     add("")
 
     # -- 5: memory
     add("### 5. Peak memory of a sync save (subprocess per size)")
     add("")
-    add("Extra = peak RSS during `CheckpointManager.save` minus RSS just before it (the state "
+    add(
+        "Extra = peak RSS during `CheckpointManager.save` minus RSS just before it (the state "
         "itself is excluded); traced = tracemalloc peak (Python-heap buffers). Bound: "
         "part_size x (max_in_flight + 1) = 16 MiB x 9 = 144 MiB. Restore (for information) "
-        "stages the decoded state before applying it, so it needs about 1x state by design.")
+        "stages the decoded state before applying it, so it needs about 1x state by design."
+    )
     add("")
-    add("| store | state MiB | save extra RSS MiB | save traced peak MiB | bound MiB | within bound | restore extra RSS MiB |")
+    add(
+        "| store | state MiB | save extra RSS MiB | save traced peak MiB | bound MiB | within bound | restore extra RSS MiB |"
+    )
     add("|---|---|---|---|---|---|---|")
     mem = results.get("memory", [])
     by_store: dict[str, list[float]] = {}
@@ -280,16 +346,20 @@ def render(results: dict[str, Any]) -> str:
         bound = r["part_size"] * (r["max_in_flight"] + 1)
         extra = r["save"]["extra_rss"]
         by_store.setdefault(label, []).append(extra)
-        add(f"| {label} | {r['mib']} | {extra / MiB:.1f} | {r['save']['traced_peak'] / MiB:.1f} | "
+        add(
+            f"| {label} | {r['mib']} | {extra / MiB:.1f} | {r['save']['traced_peak'] / MiB:.1f} | "
             f"{bound / MiB:.0f} | {'yes' if extra <= bound else '**NO**'} | "
-            f"{r['restore']['extra_rss'] / MiB:.1f} |")
+            f"{r['restore']['extra_rss'] / MiB:.1f} |"
+        )
     add("")
     for label, extras in by_store.items():
         if len(extras) > 1:
             grow = (extras[-1] - extras[0]) / MiB
-            add(f"* {label}: extra memory from the smallest to the largest state changes by "
+            add(
+                f"* {label}: extra memory from the smallest to the largest state changes by "
                 f"{grow:+.1f} MiB (goal: not growing with shard size once the state exceeds "
-                "the bound).")
+                "the bound)."
+            )
     add("")
 
     # -- 6: resolve
@@ -297,17 +367,18 @@ def render(results: dict[str, Any]) -> str:
     add("")
     rs = results.get("resolve", {})
     if "rows" in rs:
-        add(f"Server: {rs['server']}. Requests counted with `CountingStore`; time median "
-            "[min-max] of 5.")
+        add(f"Server: {rs['server']}. Requests counted with `CountingStore`; time median [min-max] of 5.")
         add("")
         add("| checkpoints | LATEST pointer | requests | by op | time s | goal | met |")
         add("|---|---|---|---|---|---|---|")
         for r in rs["rows"]:
             ok = r["requests"] <= 3 if r["case"] == "pointer" else r["requests"] <= 2 + -(-r["n"] // 1000)
             goal = "3 requests, constant" if r["case"] == "pointer" else "2 + ceil(N/1000)"
-            add(f"| {r['n']} | {'present' if r['case'] == 'pointer' else 'missing'} | {r['requests']} | "
+            add(
+                f"| {r['n']} | {'present' if r['case'] == 'pointer' else 'missing'} | {r['requests']} | "
                 f"{json.dumps(r['by_op'], sort_keys=True)} | {Series(r['seconds']).fmt(4)} | {goal} | "
-                f"{'**met**' if ok else '**NOT met**'} |")
+                f"{'**met**' if ok else '**NOT met**'} |"
+            )
     else:
         add(f"error: {rs.get('error', 'not run')[:1500]}")
     add("")
@@ -342,9 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small smoke version (64 MiB state)")
     ap.add_argument("--runs", type=int, help="runs per measurement (>= 3; default 3)")
     ap.add_argument("--mib", type=int, help="state size in MiB for the S3 and file legs")
-    ap.add_argument("--skip", action="append", default=[],
-                    choices=["localstack", "moto", "file", "memory", "resolve"],
-                    help="leave a leg out (repeatable)")
+    ap.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=["localstack", "moto", "file", "memory", "resolve"],
+        help="leave a leg out (repeatable)",
+    )
     ap.add_argument("--localstack-endpoint", help="use a running LocalStack")
     ap.add_argument("--moto-endpoint", help="use a running moto server")
     ap.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
@@ -372,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         if localstack_available() or args.localstack_endpoint:
             servers.append("localstack")
         else:
-            results["s3"].append({"server": "localstack", "error":
-                                  "LocalStack is not installed (bash scripts/localstack.sh)"})
+            results["s3"].append(
+                {"server": "localstack", "error": "LocalStack is not installed (bash scripts/localstack.sh)"}
+            )
     if "moto" not in args.skip:
         servers.append("moto")
     for kind in servers:

@@ -65,16 +65,22 @@ def run_world(cfg: dict[str, Any], *, timeout: float) -> dict[str, Any]:
     cfg = {**cfg, "port": free_port()}
     cfg_path = out.with_suffix(".cfg.json")
     cfg_path.write_text(json.dumps(cfg))
-    env = child_env({"AWS_ENDPOINT_URL": cfg["endpoint"], "PYTHONPATH": str(REPO),
-                     "PYTHONWARNINGS": "ignore"})
+    env = child_env(
+        {"AWS_ENDPOINT_URL": cfg["endpoint"], "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    )
     logs = [out.with_suffix(f".rank{r}.log") for r in range(cfg["world_size"])]
     procs = []
     for r in range(cfg["world_size"]):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.s3_bench", "--worker", str(cfg_path), "--rank", str(r)],
-            cwd=REPO, env=env, stdout=open(logs[r], "wb"), stderr=subprocess.STDOUT,
-            start_new_session=True,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.s3_bench", "--worker", str(cfg_path), "--rank", str(r)],
+                cwd=REPO,
+                env=env,
+                stdout=open(logs[r], "wb"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     deadline = time.monotonic() + timeout
     codes: list[int | None] = []
     for p in procs:
@@ -112,8 +118,13 @@ class World:
         if world_size > 1:
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world_size, timeout=timedelta(seconds=900))
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=900),
+            )
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -155,10 +166,14 @@ class Bench:
         # the tensors objckpt's manager gives this rank (equal sizes: round robin), as one blob
         params = list(self.model.parameters())
         mine = [p for i, p in enumerate(params) if i % self.ws == self.rank]
-        self.raw_sizes = [sum(p.numel() * 4 for i, p in enumerate(params) if i % self.ws == r)
-                          for r in range(self.ws)]
-        self.raw_data = b"".join(memoryview(p.data.view(torch.uint8).numpy()) for p in mine) \
-            if "raw" in cfg["cases"] else b""
+        self.raw_sizes = [
+            sum(p.numel() * 4 for i, p in enumerate(params) if i % self.ws == r) for r in range(self.ws)
+        ]
+        self.raw_data = (
+            b"".join(memoryview(p.data.view(torch.uint8).numpy()) for p in mine)
+            if "raw" in cfg["cases"]
+            else b""
+        )
 
     # -- per-case prefixes (everything a run writes lies under prefix(run))
     def prefix(self, case: str, run: int) -> str:
@@ -168,8 +183,12 @@ class Bench:
     def _store(self, run: int, case: str = "objckpt") -> Any:
         from objckpt.store import open_store
 
-        return open_store(f"s3://{BUCKET}/{self.prefix(case, run)}", **self.cfg["store_options"],
-                          part_size=str(self.part), max_in_flight=str(self.width))
+        return open_store(
+            f"s3://{BUCKET}/{self.prefix(case, run)}",
+            **self.cfg["store_options"],
+            part_size=str(self.part),
+            max_in_flight=str(self.width),
+        )
 
     def objckpt_save(self, run: int) -> Any:
         from objckpt.training.manager import CheckpointManager
@@ -200,8 +219,9 @@ class Bench:
 
         def go() -> None:
             for r, size in enumerate(self.raw_sizes):
-                got = raw_get(self.client, BUCKET, f"{self.prefix('raw', run)}/{r}", size, self.part,
-                              self.width)
+                got = raw_get(
+                    self.client, BUCKET, f"{self.prefix('raw', run)}/{r}", size, self.part, self.width
+                )
                 assert got == size, (got, size)
 
         return None, go
@@ -210,9 +230,11 @@ class Bench:
     def _fsspec_kwargs(self) -> dict[str, Any]:
         from objckpt.testing.s3_servers import DUMMY_CREDENTIALS
 
-        return {"key": DUMMY_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                "secret": DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-                "client_kwargs": {"endpoint_url": self.cfg["endpoint"], "region_name": REGION}}
+        return {
+            "key": DUMMY_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            "secret": DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            "client_kwargs": {"endpoint_url": self.cfg["endpoint"], "region_name": REGION},
+        }
 
     def dcp_s3fs_save(self, run: int) -> Any:
         import torch.distributed.checkpoint as dcp
@@ -237,8 +259,12 @@ class Bench:
         from s3torchconnector.dcp import S3StorageWriter
 
         path = f"s3://{BUCKET}/{self.prefix('s3tc', run)}"
-        writer = S3StorageWriter(REGION, path, s3client_config=S3ClientConfig(force_path_style=True),
-                                 thread_count=self.cfg["dcp_threads"])
+        writer = S3StorageWriter(
+            REGION,
+            path,
+            s3client_config=S3ClientConfig(force_path_style=True),
+            thread_count=self.cfg["dcp_threads"],
+        )
         return None, (lambda: dcp.save(self.model.state_dict(), storage_writer=writer))
 
     def s3tc_load(self, run: int) -> Any:
@@ -336,7 +362,7 @@ def worker(cfg_path: str, rank: int) -> None:
     bench.errors.update(warm_errors)  # a case that cannot run at all is not retried
     times: dict[str, dict[str, list[list[float]]]] = {c: {"save": [], "load": []} for c in cases}
     for run in range(cfg["runs"]):
-        order = cases[run % len(cases):] + cases[: run % len(cases)]
+        order = cases[run % len(cases) :] + cases[: run % len(cases)]
         for op in ("save", "load"):
             for case in order:
                 t = bench.one(case, op, run)
@@ -344,14 +370,17 @@ def worker(cfg_path: str, rank: int) -> None:
                     times[case][op].append(list(t))
         bench.cleanup(run)
     if rank == 0:
-        write_json(cfg["out"], {
-            "world_size": ws,
-            "state_bytes": state_bytes(bench.model),
-            "n_tensors": cfg["n_tensors"],
-            "times": times,
-            "async_blocking": bench.async_blocking,
-            "errors": bench.errors,
-        })
+        write_json(
+            cfg["out"],
+            {
+                "world_size": ws,
+                "state_bytes": state_bytes(bench.model),
+                "n_tensors": cfg["n_tensors"],
+                "times": times,
+                "async_blocking": bench.async_blocking,
+                "errors": bench.errors,
+            },
+        )
     world.close()
 
 
@@ -373,8 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import Series, paired_ratios, start_server
 
     with start_server(args.server, args.endpoint) as srv:
-        cfg = default_cfg(srv, args.world_size, args.mib * MiB, args.tensors, args.runs,
-                          args.cases.split(","), "/tmp/objckpt-s3-bench.json")
+        cfg = default_cfg(
+            srv,
+            args.world_size,
+            args.mib * MiB,
+            args.tensors,
+            args.runs,
+            args.cases.split(","),
+            "/tmp/objckpt-s3-bench.json",
+        )
         res = run_world(cfg, timeout=3600)
     print(json.dumps(res.get("errors", {}), indent=1), res.get("error", ""))
     times = res.get("times", {})
@@ -389,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def default_cfg(srv: Any, world_size: int, total: int, n_tensors: int, runs: int,
-                cases: list[str], out: str) -> dict[str, Any]:
+def default_cfg(
+    srv: Any, world_size: int, total: int, n_tensors: int, runs: int, cases: list[str], out: str
+) -> dict[str, Any]:
     return {
         "endpoint": srv.endpoint,
         "store_options": srv.store_options,

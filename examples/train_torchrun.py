@@ -57,10 +57,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--keep-last", type=int, default=3)
-    p.add_argument("--crash-rank", type=int, default=None, help="rank that exits after --crash-at (first run only)")
+    p.add_argument(
+        "--crash-rank", type=int, default=None, help="rank that exits after --crash-at (first run only)"
+    )
     p.add_argument("--crash-at", type=int, default=None)
     p.add_argument("--pin-ddp-buckets", action="store_true", help="bitwise resume with > 2 ranks (see above)")
-    p.add_argument("--status-file", default=None, help="where rank 0 records the last step reached (default: tmp)")
+    p.add_argument(
+        "--status-file", default=None, help="where rank 0 records the last step reached (default: tmp)"
+    )
     return p.parse_args()
 
 
@@ -70,7 +74,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.set_num_threads(1)
-    status = Path(args.status_file or Path(tempfile.gettempdir(), f"objckpt-example-{hashlib.sha256(args.uri.encode()).hexdigest()[:12]}.json"))
+    status = Path(
+        args.status_file
+        or Path(
+            tempfile.gettempdir(),
+            f"objckpt-example-{hashlib.sha256(args.uri.encode()).hexdigest()[:12]}.json",
+        )
+    )
 
     # Synthetic regression data, identical on every rank.
     g = torch.Generator().manual_seed(0)
@@ -80,7 +90,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = DDP(
-        torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)),
+        torch.nn.Sequential(
+            torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+        ),
         find_unused_parameters=args.pin_ddp_buckets,
     )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -92,8 +104,12 @@ def main() -> None:
     np.random.seed(rank)
     torch.manual_seed(1000 + rank)
 
-    config = {k: v for k, v in vars(args).items() if k not in ("crash_rank", "crash_at", "status_file", "uri")}
-    mgr = CheckpointManager(args.uri, every=args.every, keep_last=args.keep_last, config_hash=hash_config(config))
+    config = {
+        k: v for k, v in vars(args).items() if k not in ("crash_rank", "crash_at", "status_file", "uri")
+    }
+    mgr = CheckpointManager(
+        args.uri, every=args.every, keep_last=args.keep_last, config_hash=hash_config(config)
+    )
 
     t0 = time.monotonic()
     restored = mgr.restore(state)  # every rank; RNG, sampler position, everything
@@ -119,7 +135,7 @@ def main() -> None:
             xb = xb + 0.01 * torch.from_numpy(np.random.randn(*xb.shape)).float() * random.random()
             last_micro = progress.accumulation_step == args.accumulate - 1
             # skip the gradient all-reduce on all but the last micro-batch
-            with (model.no_sync() if not last_micro else _Nothing()):
+            with model.no_sync() if not last_micro else _Nothing():
                 loss = torch.nn.functional.mse_loss(model(xb), yb) / args.accumulate
                 loss.backward()
             progress.accumulation_step += 1
@@ -135,13 +151,19 @@ def main() -> None:
             if rank == 0:
                 status.write_text(json.dumps({"step": step}))
                 if recomputing_until is not None and step == recomputing_until:
-                    print(f"[example] recomputed the lost steps in {time.monotonic() - resumed_at:.2f} s", flush=True)
+                    print(
+                        f"[example] recomputed the lost steps in {time.monotonic() - resumed_at:.2f} s",
+                        flush=True,
+                    )
             if restart == 0 and rank == args.crash_rank and step == args.crash_at:
                 print(f"[example] rank {rank}: simulated crash after step {step}", flush=True)
                 os._exit(1)
             manifest = mgr.save(step, state)  # only at optimizer-step boundaries; None if not due
             if manifest is not None and rank == 0:
-                print(f"[example] step {step}: checkpoint committed ({manifest.total_size} bytes), loss {loss.item() * args.accumulate:.4f}", flush=True)
+                print(
+                    f"[example] step {step}: checkpoint committed ({manifest.total_size} bytes), loss {loss.item() * args.accumulate:.4f}",
+                    flush=True,
+                )
             if step >= args.steps:
                 break
         else:

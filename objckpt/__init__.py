@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._retry import RetryPolicy
+from .commit import Coordinator
 from .errors import (
     AlreadyExistsError,
     ChecksumMismatchError,
@@ -21,7 +22,6 @@ from .errors import (
     StoreError,
     TransientError,
 )
-from .commit import Coordinator
 from .gc import RetentionPolicy, plan_gc, run_gc
 from .manifest import Manifest, ShardReceipt
 from .metrics import (
@@ -64,6 +64,7 @@ def __getattr__(name: str) -> object:
     import importlib
 
     return getattr(importlib.import_module(module), name)
+
 
 __version__ = "0.1.0"
 

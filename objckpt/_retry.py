@@ -59,11 +59,8 @@ class RetryPolicy:
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientError),
-            wait=tenacity.wait_random_exponential(
-                multiplier=self.initial_backoff, max=self.max_backoff
-            ),
-            stop=tenacity.stop_after_attempt(self.max_attempts)
-            | tenacity.stop_after_delay(self.deadline),
+            wait=tenacity.wait_random_exponential(multiplier=self.initial_backoff, max=self.max_backoff),
+            stop=tenacity.stop_after_attempt(self.max_attempts) | tenacity.stop_after_delay(self.deadline),
             before_sleep=before_sleep,
             reraise=True,
         )

@@ -153,8 +153,11 @@ def split_step(target: str) -> tuple[str, int | None]:
         token = m.group(1)
         if token.lower() != "latest":
             if not token.isdigit():
-                raise CliError(f"bad step {token!r} in {redact(target)!r}: use URI@STEP with a "
-                               "non-negative integer step, or URI@latest", EXIT_USAGE)
+                raise CliError(
+                    f"bad step {token!r} in {redact(target)!r}: use URI@STEP with a "
+                    "non-negative integer step, or URI@latest",
+                    EXIT_USAGE,
+                )
             step = int(token)
     if not parts.scheme and not path and parts.netloc:
         path = ""
@@ -244,7 +247,9 @@ def _consoles(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 @contextmanager
-def _progress(args: argparse.Namespace, err: Any, total: int, description: str) -> Iterator[Callable[[int], None]]:
+def _progress(
+    args: argparse.Namespace, err: Any, total: int, description: str
+) -> Iterator[Callable[[int], None]]:
     """A byte progress bar on stderr; ``--progress`` forces it, default only on a terminal."""
     enabled = args.progress if args.progress is not None else err.is_terminal
     if not enabled or getattr(args, "json", False) and args.progress is None:
@@ -260,8 +265,13 @@ def _progress(args: argparse.Namespace, err: Any, total: int, description: str) 
     )
 
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=err, transient=False,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
     ) as bar:
         task = bar.add_task(redact(description), total=total)
         yield lambda n: bar.update(task, advance=n)
@@ -311,8 +321,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         s = layout.step_of_manifest_key(meta.key)
         if s is None:
             continue
-        row: dict[str, Any] = {"step": s, "manifest": meta.key, "valid": True, "error": None,
-                               "pointer": pointer is not None and pointer.step == s}
+        row: dict[str, Any] = {
+            "step": s,
+            "manifest": meta.key,
+            "valid": True,
+            "error": None,
+            "pointer": pointer is not None and pointer.step == s,
+        }
         try:
             m = reader.load(s)
         except (ManifestError, NoCheckpointError) as exc:
@@ -321,8 +336,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
             continue
         age_s, _ = _age(m.created_at, now)
         row.update(
-            attempt=m.attempt, world_size=m.world_size, shards=len(m.shards),
-            bytes=m.total_size, created_at=m.created_at, age_seconds=age_s, parent=m.parent,
+            attempt=m.attempt,
+            world_size=m.world_size,
+            shards=len(m.shards),
+            bytes=m.total_size,
+            created_at=m.created_at,
+            age_seconds=age_s,
+            parent=m.parent,
         )
         rows.append(row)
     valid = [r["step"] for r in rows if r["valid"]]
@@ -331,12 +351,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         r["latest"] = r["step"] == latest
     where = _display_uri(uri)
     if args.json:
-        _emit_json({
-            "root": where,
-            "pointer": None if pointer is None else {"step": pointer.step, "attempt": pointer.attempt},
-            "latest": latest,
-            "checkpoints": rows,
-        })
+        _emit_json(
+            {
+                "root": where,
+                "pointer": None if pointer is None else {"step": pointer.step, "attempt": pointer.attempt},
+                "latest": latest,
+                "checkpoints": rows,
+            }
+        )
         return EXIT_OK
     out, err = _consoles(args)
     if not rows:
@@ -345,8 +367,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"{where}", title_justify="left", box=None, pad_edge=False)
-    for col, justify in (("step", "right"), ("attempt", "left"), ("ranks", "right"),
-                         ("shards", "right"), ("size", "right"), ("age", "right"), ("", "left")):
+    for col, justify in (
+        ("step", "right"),
+        ("attempt", "left"),
+        ("ranks", "right"),
+        ("shards", "right"),
+        ("size", "right"),
+        ("age", "right"),
+        ("", "left"),
+    ):
         table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for r in rows:
         marks = []
@@ -355,12 +384,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if r["latest"] and not r["pointer"]:
             marks.append("<- latest (pointer lags)" if pointer is not None else "<- latest (no pointer)")
         if not r["valid"]:
-            table.add_row(str(r["step"]), "-", "-", "-", "-", "-",
-                          f"INVALID: {r['error']}" + (" " + " ".join(marks) if marks else ""))
+            table.add_row(
+                str(r["step"]),
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                f"INVALID: {r['error']}" + (" " + " ".join(marks) if marks else ""),
+            )
             continue
         table.add_row(
-            str(r["step"]), r["attempt"], str(r["world_size"]), str(r["shards"]),
-            _human_bytes(r["bytes"]), _age(r["created_at"], now)[1], " ".join(marks),
+            str(r["step"]),
+            r["attempt"],
+            str(r["world_size"]),
+            str(r["shards"]),
+            _human_bytes(r["bytes"]),
+            _age(r["created_at"], now)[1],
+            " ".join(marks),
         )
     out.print(table)
     if pointer is not None and pointer.step not in {r["step"] for r in rows}:
@@ -417,8 +458,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     out.print(summary)
     if args.shards:
         table = Table(box=None, pad_edge=False)
-        for col, justify in (("rank", "right"), ("name", "left"), ("size", "right"),
-                             ("crc32c", "left"), ("parts", "right"), ("key", "left")):
+        for col, justify in (
+            ("rank", "right"),
+            ("name", "left"),
+            ("size", "right"),
+            ("crc32c", "left"),
+            ("parts", "right"),
+            ("key", "left"),
+        ):
             table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
         for s in sorted(m.shards, key=lambda s: (s.rank, s.name)):
             table.add_row(str(s.rank), s.name, str(s.size), s.crc32c, str(s.parts), s.key)
@@ -441,11 +488,17 @@ def cmd_latest(args: argparse.Namespace) -> int:
         raise NoCheckpointError(f"no committed (valid) checkpoint under {where}")
     pointer = reader.pointer()
     if args.json:
-        _emit_json({
-            "root": where, "step": m.step, "attempt": m.attempt, "manifest_key": m.key,
-            "created_at": m.created_at, "pointer_step": None if pointer is None else pointer.step,
-            "shards_checked": bool(args.check_shards),
-        })
+        _emit_json(
+            {
+                "root": where,
+                "step": m.step,
+                "attempt": m.attempt,
+                "manifest_key": m.key,
+                "created_at": m.created_at,
+                "pointer_step": None if pointer is None else pointer.step,
+                "shards_checked": bool(args.check_shards),
+            }
+        )
     else:
         print(m.step)
         if pointer is None or pointer.step != m.step:
@@ -478,25 +531,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
             m = reader.load(s)
         except ManifestError as exc:
             problems = [Problem(s, getattr(exc, "key", "") or f"manifests/{s:020d}.json", str(exc))]
-            results.append({"step": s, "ok": False, "shards": None, "bytes": None,
-                            "problems": problems})
+            results.append({"step": s, "ok": False, "shards": None, "bytes": None, "problems": problems})
             continue
         with _progress(args, err, m.total_size, f"verify step {s}") as advance:
             problems = reader.verify(m, progress=advance)
-        results.append({"step": s, "ok": not problems, "shards": len(m.shards),
-                        "bytes": m.total_size, "problems": problems})
+        results.append(
+            {
+                "step": s,
+                "ok": not problems,
+                "shards": len(m.shards),
+                "bytes": m.total_size,
+                "problems": problems,
+            }
+        )
     bad = [r for r in results if not r["ok"]]
     if args.json:
-        _emit_json({
-            "root": where,
-            "ok": not bad,
-            "steps": [
-                {**{k: v for k, v in r.items() if k != "problems"},
-                 "problems": [{"key": p.key, "url": _object_url(store, p.key), "rank": p.rank,
-                               "reason": p.reason} for p in r["problems"]]}
-                for r in results
-            ],
-        })
+        _emit_json(
+            {
+                "root": where,
+                "ok": not bad,
+                "steps": [
+                    {
+                        **{k: v for k, v in r.items() if k != "problems"},
+                        "problems": [
+                            {
+                                "key": p.key,
+                                "url": _object_url(store, p.key),
+                                "rank": p.rank,
+                                "reason": p.reason,
+                            }
+                            for p in r["problems"]
+                        ],
+                    }
+                    for r in results
+                ],
+            }
+        )
     else:
         for r in results:
             if r["ok"]:
@@ -508,8 +578,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     out.print(f"  {redact(_object_url(store, p.key))}{rank}: {redact(p.reason)}")
     if bad:
         n = sum(len(r["problems"]) for r in bad)
-        _error_line(f"verification failed: {n} bad object(s) in step(s) "
-                    f"{', '.join(str(r['step']) for r in bad)} under {where}")
+        _error_line(
+            f"verification failed: {n} bad object(s) in step(s) "
+            f"{', '.join(str(r['step']) for r in bad)} under {where}"
+        )
         return EXIT_FAILED
     return EXIT_OK
 
@@ -529,7 +601,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     store = _open(uri, args.store_options)
     where = _display_uri(uri)
     policy = gcmod.RetentionPolicy(
-        keep_last=args.keep_last, keep_every=args.keep_every, pinned=frozenset(args.pin or ()),
+        keep_last=args.keep_last,
+        keep_every=args.keep_every,
+        pinned=frozenset(args.pin or ()),
     )
     plan = gcmod.plan_gc(store, policy, grace_period=grace)
     result = None if args.dry_run else gcmod.run_gc(store, plan)
@@ -562,13 +636,24 @@ def _gc_plan_dict(plan: Any) -> dict[str, Any]:
     return {
         "kept": {str(s): why for s, why in sorted(plan.kept.items())},
         "delete": [
-            {"step": d.step, "manifest": d.key, "attempt": d.attempt,
-             "shards": len(d.shard_keys), "bytes": d.size}
+            {
+                "step": d.step,
+                "manifest": d.key,
+                "attempt": d.attempt,
+                "shards": len(d.shard_keys),
+                "bytes": d.size,
+            }
             for d in plan.manifests
         ],
         "orphans": [
-            {"prefix": o.prefix, "step": o.step, "attempt": o.attempt, "objects": len(o.keys),
-             "bytes": o.size, "newest": o.newest.isoformat()}
+            {
+                "prefix": o.prefix,
+                "step": o.step,
+                "attempt": o.attempt,
+                "objects": len(o.keys),
+                "bytes": o.size,
+                "newest": o.newest.isoformat(),
+            }
             for o in plan.orphans
         ],
         "uploads": [
@@ -599,12 +684,22 @@ def cmd_cp(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
 
     def report(step: int, source: Any, m: Any, copied: bool) -> None:
-        results.append({"step": step, "copied": copied, "source_attempt": source.attempt,
-                        "attempt": m.attempt, "shards": len(m.shards), "bytes": m.total_size})
+        results.append(
+            {
+                "step": step,
+                "copied": copied,
+                "source_attempt": source.attempt,
+                "attempt": m.attempt,
+                "shards": len(m.shards),
+                "bytes": m.total_size,
+            }
+        )
         if not args.json:
             if copied:
-                out.print(f"copied step {step} ({len(m.shards)} shards, {_human_bytes(m.total_size)}) "
-                          f"{src_where} -> {dst_where} as attempt {m.attempt}")
+                out.print(
+                    f"copied step {step} ({len(m.shards)} shards, {_human_bytes(m.total_size)}) "
+                    f"{src_where} -> {dst_where} as attempt {m.attempt}"
+                )
             else:
                 out.print(f"step {step} already at {dst_where} (attempt {m.attempt}); nothing to do")
 
@@ -620,8 +715,16 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _copy_one(args: argparse.Namespace, err: Any, reader: Any, src: Any, dst: Any, step: int,
-              report: Callable[..., None], replicate: Callable[..., Any]) -> None:
+def _copy_one(
+    args: argparse.Namespace,
+    err: Any,
+    reader: Any,
+    src: Any,
+    dst: Any,
+    step: int,
+    report: Callable[..., None],
+    replicate: Callable[..., Any],
+) -> None:
     source = reader.load(step)
     existed: list[Any] = []
     with _progress(args, err, source.total_size, f"copy step {step}") as advance:
@@ -644,8 +747,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     restart = parse_duration(args.restart)
     step_s = parse_duration(args.step_time) if args.step_time is not None else None
     candidates = [parse_duration(c) for c in args.interval] if args.interval else None
-    plan = make_plan(save, mtbf, restart_seconds=restart, step_seconds=step_s,
-                     **({"candidates": candidates} if candidates else {}))
+    plan = make_plan(
+        save,
+        mtbf,
+        restart_seconds=restart,
+        step_seconds=step_s,
+        **({"candidates": candidates} if candidates else {}),
+    )
     if args.json:
         _emit_json(plan.to_dict())
         return EXIT_OK
@@ -654,17 +762,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     out.print(
         f"save cost {format_duration(save)}, restart cost {format_duration(restart)}, "
-        f"MTBF {format_duration(mtbf)}"
-        + (f", step time {format_duration(step_s)}" if step_s else "")
+        f"MTBF {format_duration(mtbf)}" + (f", step time {format_duration(step_s)}" if step_s else "")
     )
-    out.print(f"Young's optimum sqrt(2 x save x MTBF) = {format_duration(plan.young_s)}; "
-              f"Daly's refinement = {format_duration(plan.daly_s)}")
+    out.print(
+        f"Young's optimum sqrt(2 x save x MTBF) = {format_duration(plan.young_s)}; "
+        f"Daly's refinement = {format_duration(plan.daly_s)}"
+    )
     table = Table(box=None, pad_edge=False)
     cols = [("every", "right")]
     if step_s:
         cols.append(("steps", "right"))
-    cols += [("overhead", "right"), ("expected loss / failure", "right"),
-             ("expected waste", "right"), ("", "left")]
+    cols += [
+        ("overhead", "right"),
+        ("expected loss / failure", "right"),
+        ("expected waste", "right"),
+        ("", "left"),
+    ]
     for col, justify in cols:
         table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for r in plan.rows:
@@ -672,16 +785,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if step_s:
             cells.append(str(r.every_steps))
         note = {"young": "Young optimum", "daly": "<- Daly optimum (recommended)"}.get(r.label, "")
-        cells += [f"{r.overhead:.1%}", f"~{format_duration(r.expected_loss_s)}",
-                  f"{r.expected_waste:.2%}", note]
+        cells += [
+            f"{r.overhead:.1%}",
+            f"~{format_duration(r.expected_loss_s)}",
+            f"{r.expected_waste:.2%}",
+            note,
+        ]
         table.add_row(*cells)
     out.print(table)
     best = plan.optimum
     steps = f" ({best.every_steps} steps)" if best.every_steps else ""
-    out.print(f"recommended: checkpoint every {format_duration(best.interval_s)}{steps}: "
-              f"{best.overhead:.1%} overhead, ~{format_duration(best.expected_loss_s)} lost per failure")
-    out.print("(overhead = save / interval; expected loss = interval / 2 + restart; "
-              "waste = both, as a fraction of wall time)")
+    out.print(
+        f"recommended: checkpoint every {format_duration(best.interval_s)}{steps}: "
+        f"{best.overhead:.1%} overhead, ~{format_duration(best.expected_loss_s)} lost per failure"
+    )
+    out.print(
+        "(overhead = save / interval; expected loss = interval / 2 + restart; "
+        "waste = both, as a fraction of wall time)"
+    )
     return EXIT_OK
 
 
@@ -693,10 +814,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         demo = importlib.import_module("objckpt.demo")
     except ImportError as exc:
         if getattr(exc, "name", None) == "objckpt.demo":
-            raise CliError("the demo is not part of this installation (objckpt.demo is missing)",
-                           EXIT_USAGE) from exc
-        raise CliError(f"the demo needs extra packages ({exc}); install them with "
-                       "pip install 'objckpt[torch]'", EXIT_USAGE) from exc
+            raise CliError(
+                "the demo is not part of this installation (objckpt.demo is missing)", EXIT_USAGE
+            ) from exc
+        raise CliError(
+            f"the demo needs extra packages ({exc}); install them with pip install 'objckpt[torch]'",
+            EXIT_USAGE,
+        ) from exc
     rc = demo.main(list(args.demo_args))
     return int(rc or 0)
 
@@ -704,18 +828,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- parser
 
 
-def _with_common(p: argparse.ArgumentParser, *, json_flag: bool = True, store: bool = True,
-                 progress: bool = False) -> None:
+def _with_common(
+    p: argparse.ArgumentParser, *, json_flag: bool = True, store: bool = True, progress: bool = False
+) -> None:
     if store:
-        p.add_argument("-o", "--option", dest="options", action="append", metavar="KEY=VALUE",
-                       help="store option (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000")
+        p.add_argument(
+            "-o",
+            "--option",
+            dest="options",
+            action="append",
+            metavar="KEY=VALUE",
+            help="store option (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000",
+        )
     if json_flag:
         p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
     if progress:
-        p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                       help="byte progress bar on stderr (default: only on a terminal)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help="show tracebacks and debug logs")
+        p.add_argument(
+            "--progress",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="byte progress bar on stderr (default: only on a terminal)",
+        )
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs"
+    )
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -727,102 +863,154 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="objckpt",
         description="Complete, coordinated, immutable-until-committed checkpoints on object "
-                    "storage (S3, GCS, local files): inspect, verify, collect, copy, plan.",
+        "storage (S3, GCS, local files): inspect, verify, collect, copy, plan.",
         epilog=EPILOG,
         formatter_class=_Formatter,
     )
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"objckpt {__version__}")
-    parser.add_argument("--debug", action="store_true", default=False,
-                        help="show tracebacks and debug logs")
-    parser.add_argument("-o", "--option", dest="global_options", action="append", metavar="KEY=VALUE",
-                        help="store option applied to every URI (repeatable)")
+    parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks and debug logs")
+    parser.add_argument(
+        "-o",
+        "--option",
+        dest="global_options",
+        action="append",
+        metavar="KEY=VALUE",
+        help="store option applied to every URI (repeatable)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     def add(name: str, help_: str, description: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_, description=description, epilog=EPILOG,
-                              formatter_class=_Formatter)
+        return sub.add_parser(
+            name, help=help_, description=description, epilog=EPILOG, formatter_class=_Formatter
+        )
 
-    p = add("ls", "list committed checkpoints",
-            "List committed steps from manifests/ only (data/ is never listed): attempt, ranks, "
-            "shards, size, age, and which step LATEST points at.")
+    p = add(
+        "ls",
+        "list committed checkpoints",
+        "List committed steps from manifests/ only (data/ is never listed): attempt, ranks, "
+        "shards, size, age, and which step LATEST points at.",
+    )
     p.add_argument("uri", metavar="URI", help="run root")
     _with_common(p)
     p.set_defaults(func=cmd_ls)
 
-    p = add("show", "show one checkpoint's manifest",
-            "Summarise a manifest: step, attempt, world size, run identity, progress, parent, "
-            "shards. Default: the latest committed step.")
+    p = add(
+        "show",
+        "show one checkpoint's manifest",
+        "Summarise a manifest: step, attempt, world size, run identity, progress, parent, "
+        "shards. Default: the latest committed step.",
+    )
     p.add_argument("target", metavar="URI[@STEP]")
     p.add_argument("--shards", action="store_true", help="list every shard")
     _with_common(p)
     p.set_defaults(func=cmd_show)
 
-    p = add("latest", "print the latest committed step",
-            "Print the step a restore would use: the newest committed checkpoint whose manifest "
-            "validates and whose shards are all present with the recorded size and version.")
+    p = add(
+        "latest",
+        "print the latest committed step",
+        "Print the step a restore would use: the newest committed checkpoint whose manifest "
+        "validates and whose shards are all present with the recorded size and version.",
+    )
     p.add_argument("uri", metavar="URI")
-    p.add_argument("--check-shards", action=argparse.BooleanOptionalAction, default=True,
-                   help="HEAD every shard and fall back past broken checkpoints (default: on)")
+    p.add_argument(
+        "--check-shards",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="HEAD every shard and fall back past broken checkpoints (default: on)",
+    )
     _with_common(p)
     p.set_defaults(func=cmd_latest)
 
-    p = add("verify", "download and checksum every shard",
-            "Download every shard of a checkpoint and verify its size and CRC32C against the "
-            "manifest. Exit 1 naming every bad object. Default: the latest committed step.")
+    p = add(
+        "verify",
+        "download and checksum every shard",
+        "Download every shard of a checkpoint and verify its size and CRC32C against the "
+        "manifest. Exit 1 naming every bad object. Default: the latest committed step.",
+    )
     p.add_argument("target", metavar="URI[@STEP]")
     p.add_argument("--all", action="store_true", help="verify every committed step")
     _with_common(p, progress=True)
     p.set_defaults(func=cmd_verify)
 
-    p = add("gc", "delete checkpoints a retention policy does not keep",
-            "Decide retention from manifests only; the LATEST target and saves in progress are "
-            "never collected; manifests are deleted before their shards; unreferenced attempts "
-            "and incomplete uploads only after the grace period.")
+    p = add(
+        "gc",
+        "delete checkpoints a retention policy does not keep",
+        "Decide retention from manifests only; the LATEST target and saves in progress are "
+        "never collected; manifests are deleted before their shards; unreferenced attempts "
+        "and incomplete uploads only after the grace period.",
+    )
     p.add_argument("uri", metavar="URI")
     p.add_argument("--keep-last", type=int, required=True, metavar="N", help="keep the newest N steps")
     p.add_argument("--keep-every", type=int, metavar="K", help="also keep every step divisible by K")
     p.add_argument("--pin", type=int, action="append", metavar="STEP", help="also keep STEP (repeatable)")
-    p.add_argument("--grace", default="6h", metavar="DURATION",
-                   help="age before unreferenced attempts / uploads are removed (default 6h; "
-                        "must exceed the longest save)")
+    p.add_argument(
+        "--grace",
+        default="6h",
+        metavar="DURATION",
+        help="age before unreferenced attempts / uploads are removed (default 6h; "
+        "must exceed the longest save)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     _with_common(p)
     p.set_defaults(func=cmd_gc)
 
-    p = add("cp", "replicate a committed checkpoint to another run root",
-            "Stream every shard from SRC (CRC32C verified) to DST under a fresh attempt, then "
-            "commit it on DST by the same protocol (manifest create-if-absent, pointer CAS). "
-            "Idempotent when DST already has the same checkpoint at that step.")
+    p = add(
+        "cp",
+        "replicate a committed checkpoint to another run root",
+        "Stream every shard from SRC (CRC32C verified) to DST under a fresh attempt, then "
+        "commit it on DST by the same protocol (manifest create-if-absent, pointer CAS). "
+        "Idempotent when DST already has the same checkpoint at that step.",
+    )
     p.add_argument("src", metavar="SRC[@STEP]", help="source run root (default step: latest)")
     p.add_argument("dst", metavar="DST", help="destination run root")
     p.add_argument("--all", action="store_true", help="copy every committed step, oldest first")
-    p.add_argument("--src-option", action="append", metavar="KEY=VALUE",
-                   help="store option for SRC only (repeatable)")
-    p.add_argument("--dst-option", action="append", metavar="KEY=VALUE",
-                   help="store option for DST only (repeatable)")
+    p.add_argument(
+        "--src-option", action="append", metavar="KEY=VALUE", help="store option for SRC only (repeatable)"
+    )
+    p.add_argument(
+        "--dst-option", action="append", metavar="KEY=VALUE", help="store option for DST only (repeatable)"
+    )
     _with_common(p, progress=True)
     p.set_defaults(func=cmd_cp)
 
-    p = add("plan", "choose a checkpoint interval (Young/Daly)",
-            "Young's sqrt(2 x save x MTBF) and Daly's refinement, and the overhead "
-            "(save / interval) and expected lost work (interval / 2 + restart) of candidate "
-            "intervals. Durations: 12s, 20m, 6h, 1.5d or seconds.")
+    p = add(
+        "plan",
+        "choose a checkpoint interval (Young/Daly)",
+        "Young's sqrt(2 x save x MTBF) and Daly's refinement, and the overhead "
+        "(save / interval) and expected lost work (interval / 2 + restart) of candidate "
+        "intervals. Durations: 12s, 20m, 6h, 1.5d or seconds.",
+    )
     p.add_argument("--save", metavar="DURATION", help="how long one save blocks training (required)")
-    p.add_argument("--mtbf", default="24h", metavar="DURATION",
-                   help="mean time between failures of the whole job (default 24h)")
+    p.add_argument(
+        "--mtbf",
+        default="24h",
+        metavar="DURATION",
+        help="mean time between failures of the whole job (default 24h)",
+    )
     p.add_argument("--failures-per-day", type=float, metavar="RATE", help="instead of --mtbf")
-    p.add_argument("--restart", default="0s", metavar="DURATION",
-                   help="time from a failure until training runs again (default 0)")
+    p.add_argument(
+        "--restart",
+        default="0s",
+        metavar="DURATION",
+        help="time from a failure until training runs again (default 0)",
+    )
     p.add_argument("--step-time", metavar="DURATION", help="one optimizer step; shows intervals in steps")
-    p.add_argument("--interval", action="append", metavar="DURATION",
-                   help="candidate interval (repeatable; default 5m 10m 20m 30m 60m)")
+    p.add_argument(
+        "--interval",
+        action="append",
+        metavar="DURATION",
+        help="candidate interval (repeatable; default 5m 10m 20m 30m 60m)",
+    )
     _with_common(p, store=False)
     p.set_defaults(func=cmd_plan)
 
-    p = add("demo", "run the end-to-end demo (needs objckpt[torch])",
-            "Delegates to objckpt.demo; arguments after 'demo' are passed through.")
+    p = add(
+        "demo",
+        "run the end-to-end demo (needs objckpt[torch])",
+        "Delegates to objckpt.demo; arguments after 'demo' are passed through.",
+    )
     p.add_argument("demo_args", nargs=argparse.REMAINDER, metavar="ARGS")
     p.set_defaults(func=cmd_demo)
     return parser
@@ -868,8 +1056,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
         # Everything after "demo" belongs to the demo (argparse would take "demo --help" itself).
-        args = argparse.Namespace(command="demo", func=cmd_demo, demo_args=argv[1:],
-                                  global_options=None, debug=False)
+        args = argparse.Namespace(
+            command="demo", func=cmd_demo, demo_args=argv[1:], global_options=None, debug=False
+        )
     else:
         try:
             args = parser.parse_args(argv)
@@ -881,7 +1070,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     restore_logging = _setup_logging(debug)
     try:
-        args.store_options = {**_parse_options(args.global_options), **_parse_options(getattr(args, "options", None))}
+        args.store_options = {
+            **_parse_options(args.global_options),
+            **_parse_options(getattr(args, "options", None)),
+        }
         if not hasattr(args, "progress"):
             args.progress = None
         return int(args.func(args))
@@ -900,8 +1092,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, (CliError, ObjckptError)):
             _error_line(f"{what}{exc}")
         else:
-            _error_line(f"{what}{type(exc).__name__}: {exc}"
-                        + ("" if debug else " (rerun with --debug for a traceback)"))
+            _error_line(
+                f"{what}{type(exc).__name__}: {exc}"
+                + ("" if debug else " (rerun with --debug for a traceback)")
+            )
         return code
     finally:
         restore_logging()

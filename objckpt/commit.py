@@ -66,7 +66,8 @@ class Coordinator:
             _WARNED_NON_ATOMIC.add(store.location)  # once per store: a per-commit warning is noise
             log.warning(
                 "store %s does not make conditional writes atomic under races; concurrent "
-                "coordinators are not safe on it (fine for tests)", store.location,
+                "coordinators are not safe on it (fine for tests)",
+                store.location,
             )
         if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 100_000:
             raise ValueError(f"world_size must be an int in [1, 100000], got {world_size!r}")
@@ -197,7 +198,9 @@ class Coordinator:
             if meta.size != r.size:
                 fail(r.rank, f"{meta.key!r} is {meta.size} bytes in the store, receipt says {r.size}")
             elif meta.version != r.version:
-                fail(r.rank, f"{meta.key!r} has version {meta.version} in the store, receipt says {r.version}")
+                fail(
+                    r.rank, f"{meta.key!r} has version {meta.version} in the store, receipt says {r.version}"
+                )
             elif meta.crc32c is not None and meta.crc32c != r.crc32c:
                 fail(r.rank, f"{meta.key!r} has CRC32C {meta.crc32c} in the store, receipt says {r.crc32c}")
         for key, r in expected.items():
@@ -216,7 +219,9 @@ class Coordinator:
         try:
             parent = self.reader.latest_before(step)
         except StoreError as exc:
-            raise CommitError(f"step {step} not committed: cannot resolve the previous checkpoint: {exc}") from exc
+            raise CommitError(
+                f"step {step} not committed: cannot resolve the previous checkpoint: {exc}"
+            ) from exc
         return parent.step if parent is not None else None
 
     # -- 4. the commit point
@@ -229,7 +234,12 @@ class Coordinator:
             # committed whole, whatever happens to the pointer. Create-if-absent makes it
             # first-writer-wins: two attempts can never both commit this step.
             self.store.put(key, manifest.encode(), mode=PutMode.CREATE)
-            log.info("committed step %d attempt %s (%d shards)", manifest.step, manifest.attempt, len(manifest.shards))
+            log.info(
+                "committed step %d attempt %s (%d shards)",
+                manifest.step,
+                manifest.attempt,
+                len(manifest.shards),
+            )
             return manifest
         except AlreadyExistsError:
             existing = self._read_existing(manifest)
@@ -246,7 +256,11 @@ class Coordinator:
         if existing.attempt == manifest.attempt:
             # Our own earlier write (a lost response that the retry re-sent, or a re-run
             # commit): the save is idempotent.
-            log.info("step %d attempt %s was already committed; reusing its manifest", manifest.step, manifest.attempt)
+            log.info(
+                "step %d attempt %s was already committed; reusing its manifest",
+                manifest.step,
+                manifest.attempt,
+            )
             return existing
         raise CommitConflict(
             f"step {manifest.step} attempt {manifest.attempt} not committed: attempt "
@@ -306,17 +320,22 @@ class Coordinator:
                     continue  # a concurrent coordinator moved it: re-read and decide again
             log.warning(
                 "step %d is committed but %s was not advanced after %d compare-and-swap rounds; "
-                "readers roll forward to it", manifest.step, key, self.pointer_retries,
+                "readers roll forward to it",
+                manifest.step,
+                key,
+                self.pointer_retries,
             )
         except StoreError as exc:
             log.warning(
                 "step %d is committed but updating %s failed (%s); readers roll forward to it",
-                manifest.step, key, exc,
+                manifest.step,
+                key,
+                exc,
             )
 
 
 def _rank_of(key: str, attempt_prefix: str) -> int:
-    rest = key[len(attempt_prefix):]
+    rest = key[len(attempt_prefix) :]
     head = rest.split("/", 1)[0]
     if len(head) == 5 and head.isdigit() and "/" in rest:
         return int(head)

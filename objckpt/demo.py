@@ -79,7 +79,10 @@ def _train(rank: int, world_size: int, store_file: str, cfg: dict[str, Any]) -> 
     logging.getLogger("objckpt.commit").setLevel(logging.ERROR)
     dist.init_process_group(
         # FileStore rendezvous: no TCP port to pick; gloo's sockets use ephemeral ports
-        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"file://{store_file}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=60),
     )
     out = Path(cfg["out"])
@@ -102,14 +105,20 @@ def _train(rank: int, world_size: int, store_file: str, cfg: dict[str, Any]) -> 
     state = {"model": model, "optimizer": opt, "scheduler": sched, "sampler": sampler, "progress": progress}
 
     mgr = CheckpointManager(
-        cfg["uri"], every=cfg["every"], keep_last=3,
+        cfg["uri"],
+        every=cfg["every"],
+        keep_last=3,
         config_hash=hash_config({k: cfg[k] for k in ("steps", "every")}),
-        timeout=60, handshake_timeout=60,
+        timeout=60,
+        handshake_timeout=60,
     )
     t0 = time.monotonic()
     restored = mgr.restore(state)
     if rank == 0 and cfg["phase"] == "restart":
-        print(f"[{cfg['phase']}] restored step {restored} (the last committed) in {time.monotonic() - t0:.2f} s", flush=True)
+        print(
+            f"[{cfg['phase']}] restored step {restored} (the last committed) in {time.monotonic() - t0:.2f} s",
+            flush=True,
+        )
     resumed_at = time.monotonic()
     recompute_s = None
     while progress.global_step < cfg["steps"]:
@@ -117,7 +126,10 @@ def _train(rank: int, world_size: int, store_file: str, cfg: dict[str, Any]) -> 
         loader = DataLoader(data, batch_size=8, sampler=sampler, generator=torch.Generator())
         for xb, yb in loader:
             # augmentation from the global Python/NumPy RNGs, dropout from torch's
-            xb = xb * (1 + 0.01 * random.random()) + torch.from_numpy(0.01 * np.random.randn(*xb.shape)).float()
+            xb = (
+                xb * (1 + 0.01 * random.random())
+                + torch.from_numpy(0.01 * np.random.randn(*xb.shape)).float()
+            )
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             loss.backward()
             # Data parallelism by hand: average each gradient over the ranks. (DDP does the same
@@ -137,7 +149,10 @@ def _train(rank: int, world_size: int, store_file: str, cfg: dict[str, Any]) -> 
             if cfg.get("reached") and step == cfg["reached"] and recompute_s is None:
                 recompute_s = time.monotonic() - resumed_at
             if cfg.get("kill_at") == step and rank == cfg["kill_rank"]:
-                print(f"[{cfg['phase']}] rank {rank}: SIGKILL after step {step} (between checkpoints)", flush=True)
+                print(
+                    f"[{cfg['phase']}] rank {rank}: SIGKILL after step {step} (between checkpoints)",
+                    flush=True,
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank == 0:
                 (out / "reached.json").write_text(json.dumps({"step": step}))
@@ -172,7 +187,10 @@ def _run_job(ctx: Any, target: Any, world_size: int, cfg: dict[str, Any], timeou
     """Start ``world_size`` ranks; when one fails, stop the rest (as torchrun's agent does).
     Returns the exit codes."""
     store_file = os.path.join(cfg["out"], "rendezvous")  # a fresh file per job
-    procs = [ctx.Process(target=target, args=(r, world_size, store_file, cfg), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=target, args=(r, world_size, store_file, cfg), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -205,8 +223,12 @@ def _compare(a_dir: Path, b_dir: Path, world_size: int) -> list[str]:
 
     def same(x: Any, y: Any, path: str) -> None:
         if isinstance(x, torch.Tensor):
-            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
-                    and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))):
+            if not (
+                isinstance(y, torch.Tensor)
+                and x.dtype == y.dtype
+                and x.shape == y.shape
+                and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            ):
                 problems.append(path)
         elif isinstance(x, dict):
             if not isinstance(y, dict) or list(x) != list(y):
@@ -267,25 +289,46 @@ def main(argv: list[str] | None = None) -> int:
                 d.mkdir()
             uri = srv.uri(BUCKET, "demo-run")
 
-            codes = _run_job(ctx, this._worker, args.world_size,
-                             {**base, "uri": uri, "out": str(crashed), "phase": "run", "kill_at": args.kill_at},
-                             args.timeout)
+            codes = _run_job(
+                ctx,
+                this._worker,
+                args.world_size,
+                {**base, "uri": uri, "out": str(crashed), "phase": "run", "kill_at": args.kill_at},
+                args.timeout,
+            )
             if codes[kill_rank] != -signal.SIGKILL:
-                print(f"objckpt demo: FAILED: rank {kill_rank} was not killed (exit codes {codes})", flush=True)
+                print(
+                    f"objckpt demo: FAILED: rank {kill_rank} was not killed (exit codes {codes})", flush=True
+                )
                 return 1
             reached = json.loads((crashed / "reached.json").read_text())["step"]
-            print(f"[run] job failed (exit codes {codes}); restarting all {args.world_size} ranks", flush=True)
+            print(
+                f"[run] job failed (exit codes {codes}); restarting all {args.world_size} ranks", flush=True
+            )
 
-            codes = _run_job(ctx, this._worker, args.world_size,
-                             {**base, "uri": uri, "out": str(resumed), "phase": "restart", "reached": reached},
-                             args.timeout)
+            codes = _run_job(
+                ctx,
+                this._worker,
+                args.world_size,
+                {**base, "uri": uri, "out": str(resumed), "phase": "restart", "reached": reached},
+                args.timeout,
+            )
             if any(codes):
                 print(f"objckpt demo: FAILED: the restarted job exited with {codes}", flush=True)
                 return 1
             print("[reference] same training, uninterrupted", flush=True)
-            codes = _run_job(ctx, this._worker, args.world_size,
-                             {**base, "uri": srv.uri(BUCKET, "demo-reference"), "out": str(reference), "phase": "reference"},
-                             args.timeout)
+            codes = _run_job(
+                ctx,
+                this._worker,
+                args.world_size,
+                {
+                    **base,
+                    "uri": srv.uri(BUCKET, "demo-reference"),
+                    "out": str(reference),
+                    "phase": "reference",
+                },
+                args.timeout,
+            )
             if any(codes):
                 print(f"objckpt demo: FAILED: the reference job exited with {codes}", flush=True)
                 return 1
@@ -307,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(f"resumed run matches uninterrupted run: NO ({len(problems)} differences, e.g. {problems[:3]})")
         return 1
-    print(f"resumed run matches uninterrupted run: YES (parameters and optimizer state bitwise equal on all {args.world_size} ranks)")
+    print(
+        f"resumed run matches uninterrupted run: YES (parameters and optimizer state bitwise equal on all {args.world_size} ranks)"
+    )
     return 0
 
 

@@ -77,9 +77,7 @@ class StoreError(ObjckptError):
         operation: what was being done (``put``, ``get``, ``head``, ``list``, ...).
     """
 
-    def __init__(
-        self, message: str = "", *, key: str = "", location: str = "", operation: str = ""
-    ) -> None:
+    def __init__(self, message: str = "", *, key: str = "", location: str = "", operation: str = "") -> None:
         self.key = key
         self.location = location
         self.operation = operation

@@ -225,8 +225,12 @@ def plan_gc(
             continue
         plan.orphans.append(
             OrphanPrefix(
-                prefix, parsed[0], parsed[1], tuple(o.key for o in objects),
-                sum(o.size for o in objects), newest,
+                prefix,
+                parsed[0],
+                parsed[1],
+                tuple(o.key for o in objects),
+                sum(o.size for o in objects),
+                newest,
             )
         )
 
@@ -314,7 +318,8 @@ def retain_after_commit(
         result = run_gc(store, plan)
         log.info(
             "retention: deleted %d checkpoint(s), %d object(s)",
-            len(result.deleted_manifests), result.deleted_objects,
+            len(result.deleted_manifests),
+            result.deleted_objects,
         )
         return result
     except Exception as exc:  # noqa: BLE001 - the save is committed whatever happens here

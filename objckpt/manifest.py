@@ -73,9 +73,9 @@ def canonical_json(obj: Any) -> bytes:
     Raises:
         ValueError / TypeError: ``obj`` is not plain JSON data.
     """
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
+        "utf-8"
+    )
 
 
 def _sha256(body: Mapping[str, Any]) -> str:
@@ -116,9 +116,7 @@ def _load_json(data: bytes, key: str, what: str) -> dict[str, Any]:
         raise ManifestError(f"{what} {key!r}: {len(data)} bytes is too large", key=key)
     try:
         text = bytes(data).decode("utf-8")
-        obj = json.loads(
-            text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
-        )
+        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
     except _Invalid as exc:
         raise ManifestError(f"{what} {key!r} is not valid: {exc}", key=key) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -259,10 +257,18 @@ class ShardReceipt:
     @classmethod
     def _from_dict(cls, d: Any) -> ShardReceipt:
         _dict(d, "shard receipt")
-        _fields(d, ("key", "size", "version", "crc32c", "rank", "name", "parts"), ("sha256",), "shard receipt")
+        _fields(
+            d, ("key", "size", "version", "crc32c", "rank", "name", "parts"), ("sha256",), "shard receipt"
+        )
         return cls(
-            key=d["key"], size=d["size"], version=d["version"], crc32c=d["crc32c"],
-            rank=d["rank"], name=d["name"], parts=d["parts"], sha256=d.get("sha256"),
+            key=d["key"],
+            size=d["size"],
+            version=d["version"],
+            crc32c=d["crc32c"],
+            rank=d["rank"],
+            name=d["name"],
+            parts=d["parts"],
+            sha256=d.get("sha256"),
         )
 
 
@@ -297,8 +303,19 @@ def _utc_now() -> str:
 # ---------------------------------------------------------------------------------- manifest
 
 _MANIFEST_FIELDS = (
-    "format", "format_version", "step", "attempt", "world_size", "topology", "run", "shards",
-    "progress", "parent", "created_at", "metadata", "checksum",
+    "format",
+    "format_version",
+    "step",
+    "attempt",
+    "world_size",
+    "topology",
+    "run",
+    "shards",
+    "progress",
+    "parent",
+    "created_at",
+    "metadata",
+    "checksum",
 )
 
 
@@ -559,9 +576,7 @@ class Pointer:
         except ValueError as exc:
             raise _Invalid(str(exc)) from None
         if self.manifest_key != layout.manifest_key(self.step):
-            raise _Invalid(
-                f"manifest key {self.manifest_key!r} is not step {self.step}'s manifest key"
-            )
+            raise _Invalid(f"manifest key {self.manifest_key!r} is not step {self.step}'s manifest key")
 
     @classmethod
     def for_manifest(cls, manifest: Manifest) -> Pointer:

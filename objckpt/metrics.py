@@ -347,9 +347,16 @@ class CheckpointMetrics:
                 if value is not None:
                     s.phases.setdefault(name, _PhaseStats()).add(value)
         event = CommitEvent(
-            now, self.run, step, attempt, bytes, save_seconds,
+            now,
+            self.run,
+            step,
+            attempt,
+            bytes,
+            save_seconds,
             blocking_seconds if blocking_seconds is not None else save_seconds,
-            upload_seconds, commit_seconds, throughput,
+            upload_seconds,
+            commit_seconds,
+            throughput,
         )
         self._dispatch("on_commit", event)
         return event
@@ -422,7 +429,8 @@ class CheckpointMetrics:
             s.current_step = step
             if seconds is not None and seconds >= 0:
                 s.step_seconds = (
-                    seconds if s.step_seconds is None
+                    seconds
+                    if s.step_seconds is None
                     else (1 - self.ema) * s.step_seconds + self.ema * seconds
                 )
 
@@ -526,7 +534,10 @@ class SaveTracker:
     def _finish(self) -> CommitEvent:
         total = self.metrics.monotonic() - self._start
         return self.metrics.record_commit(
-            self.step, self.attempt, bytes=self.bytes, save_seconds=total,
+            self.step,
+            self.attempt,
+            bytes=self.bytes,
+            save_seconds=total,
             blocking_seconds=self._unblocked if self._unblocked is not None else total,
             upload_seconds=self.durations.get("upload"),
             commit_seconds=self.durations.get("commit"),
@@ -616,31 +627,49 @@ class PrometheusExporter:
             c.add_metric(vals, float(value))
             return c
 
-        yield from gauge("last_committed_step", "Step of the last committed checkpoint.",
-                         snap["last_committed_step"])
-        yield from gauge("last_commit_timestamp_seconds",
-                         "Unix time of the last commit (or restore).", snap["last_commit_time"])
-        yield from gauge("seconds_since_last_commit",
-                         "Seconds since the last committed checkpoint.",
-                         snap["seconds_since_last_commit"])
-        yield from gauge("work_at_risk_steps", "Steps trained since the last committed checkpoint.",
-                         snap["work_at_risk_steps"])
-        yield from gauge("work_at_risk_seconds",
-                         "Training seconds a failure now would lose.", snap["work_at_risk_seconds"])
-        yield from gauge("step_seconds", "Running estimate of one training step's duration.",
-                         snap["step_seconds"])
-        yield from gauge("last_save_bytes", "Bytes written by the last committed save.",
-                         snap["last_save_bytes"])
-        yield from gauge("last_upload_throughput_bytes_per_second",
-                         "Upload throughput of the last committed save.",
-                         snap["last_throughput_bytes_per_second"])
+        yield from gauge(
+            "last_committed_step", "Step of the last committed checkpoint.", snap["last_committed_step"]
+        )
+        yield from gauge(
+            "last_commit_timestamp_seconds",
+            "Unix time of the last commit (or restore).",
+            snap["last_commit_time"],
+        )
+        yield from gauge(
+            "seconds_since_last_commit",
+            "Seconds since the last committed checkpoint.",
+            snap["seconds_since_last_commit"],
+        )
+        yield from gauge(
+            "work_at_risk_steps",
+            "Steps trained since the last committed checkpoint.",
+            snap["work_at_risk_steps"],
+        )
+        yield from gauge(
+            "work_at_risk_seconds", "Training seconds a failure now would lose.", snap["work_at_risk_seconds"]
+        )
+        yield from gauge(
+            "step_seconds", "Running estimate of one training step's duration.", snap["step_seconds"]
+        )
+        yield from gauge(
+            "last_save_bytes", "Bytes written by the last committed save.", snap["last_save_bytes"]
+        )
+        yield from gauge(
+            "last_upload_throughput_bytes_per_second",
+            "Upload throughput of the last committed save.",
+            snap["last_throughput_bytes_per_second"],
+        )
         if snap["phases"]:
-            last = GaugeMetricFamily(f"{ns}_last_phase_seconds",
-                                     "Duration of the last save/upload/commit/restore.",
-                                     labels=keys + ["phase"])
-            summary = SummaryMetricFamily(f"{ns}_phase_seconds",
-                                          "Durations of save/upload/commit/restore phases.",
-                                          labels=keys + ["phase"])
+            last = GaugeMetricFamily(
+                f"{ns}_last_phase_seconds",
+                "Duration of the last save/upload/commit/restore.",
+                labels=keys + ["phase"],
+            )
+            summary = SummaryMetricFamily(
+                f"{ns}_phase_seconds",
+                "Durations of save/upload/commit/restore phases.",
+                labels=keys + ["phase"],
+            )
             for name, p in snap["phases"].items():
                 if p["last_seconds"] is not None:
                     last.add_metric(vals + [name], p["last_seconds"])
@@ -650,16 +679,18 @@ class PrometheusExporter:
         yield counter("saved_bytes", "Bytes written by committed saves.", snap["bytes_total"])
         yield counter("commits", "Committed checkpoints.", snap["commits"])
         yield counter("save_failures", "Saves that did not commit.", snap["failures"])
-        yield counter("validation_failures", "Manifests or shards that failed validation.",
-                      snap["validation_failures"])
-        yield counter("store_retries", "Store requests retried after transient errors.",
-                      snap["retries"])
+        yield counter(
+            "validation_failures", "Manifests or shards that failed validation.", snap["validation_failures"]
+        )
+        yield counter("store_retries", "Store requests retried after transient errors.", snap["retries"])
         yield counter("restarts", "Job restarts.", snap["restarts"])
         yield counter("restores", "Restores from a checkpoint.", snap["restores"])
         if snap["last_committed_attempt"] is not None:
-            info = GaugeMetricFamily(f"{ns}_last_committed_info",
-                                     "Attempt id of the last committed checkpoint.",
-                                     labels=keys + ["attempt"])
+            info = GaugeMetricFamily(
+                f"{ns}_last_committed_info",
+                "Attempt id of the last committed checkpoint.",
+                labels=keys + ["attempt"],
+            )
             info.add_metric(vals + [snap["last_committed_attempt"]], 1.0)
             yield info
 

@@ -54,8 +54,16 @@ DEFAULT_CANDIDATES: tuple[float, ...] = (300.0, 600.0, 1200.0, 1800.0, 3600.0)
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|sec|s|min|m|hr|h|d|w)?", re.IGNORECASE)
 _UNIT_SECONDS = {
-    None: 1.0, "ms": 0.001, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0,
-    "h": 3600.0, "hr": 3600.0, "d": 86400.0, "w": 604800.0,
+    None: 1.0,
+    "ms": 0.001,
+    "s": 1.0,
+    "sec": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "h": 3600.0,
+    "hr": 3600.0,
+    "d": 86400.0,
+    "w": 604800.0,
 }
 
 
@@ -74,8 +82,10 @@ def parse_duration(value: str | float | int) -> float:
         parts = _DURATION_PART.findall(text)
         # Accept only when the pieces spell the whole string (no stray characters).
         rebuilt = "".join(n + (u or "") for n, u in parts)
-        if not parts or rebuilt.lower() != re.sub(r"\s+", "", text).lower() or (
-            len(parts) > 1 and any(not u for _, u in parts)
+        if (
+            not parts
+            or rebuilt.lower() != re.sub(r"\s+", "", text).lower()
+            or (len(parts) > 1 and any(not u for _, u in parts))
         ):
             raise ConfigError(f"not a duration: {value!r} (e.g. 12s, 20m, 6h, 3d or seconds)")
         for number, unit in parts:
@@ -238,8 +248,10 @@ def make_plan(
     young = young_interval(save_seconds, mtbf_seconds)
     daly = daly_interval(save_seconds, mtbf_seconds)
     common = dict(
-        save_seconds=save_seconds, mtbf_seconds=mtbf_seconds,
-        restart_seconds=restart_seconds, step_seconds=step_seconds,
+        save_seconds=save_seconds,
+        mtbf_seconds=mtbf_seconds,
+        restart_seconds=restart_seconds,
+        step_seconds=step_seconds,
     )
     rows = [evaluate(t, **common) for t in candidates]  # type: ignore[arg-type]
     if young > 0:
@@ -248,9 +260,13 @@ def make_plan(
     rows.append(evaluate(daly if daly > 0 else (step_seconds or 1.0), label="daly", **common))  # type: ignore[arg-type]
     rows.sort(key=lambda r: (r.interval_s, r.label))
     return Plan(
-        save_s=float(save_seconds), mtbf_s=float(mtbf_seconds), restart_s=float(restart_seconds),
+        save_s=float(save_seconds),
+        mtbf_s=float(mtbf_seconds),
+        restart_s=float(restart_seconds),
         step_s=None if step_seconds is None else float(step_seconds),
-        young_s=young, daly_s=daly, rows=rows,
+        young_s=young,
+        daly_s=daly,
+        rows=rows,
     )
 
 
@@ -321,7 +337,11 @@ def suggest_interval(
         interval = float(max_interval_seconds)
         reason += f"; capped at the maximum {format_duration(interval)}"
     row = evaluate(
-        interval, save_seconds=save, mtbf_seconds=mtbf_seconds,
-        restart_seconds=restart_seconds, step_seconds=step_seconds, label="suggested",
+        interval,
+        save_seconds=save,
+        mtbf_seconds=mtbf_seconds,
+        restart_seconds=restart_seconds,
+        step_seconds=step_seconds,
+        label="suggested",
     )
     return Suggestion(row.interval_s, row.every_steps, save, row, reason)

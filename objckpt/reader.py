@@ -79,7 +79,9 @@ class Reader:
         except ManifestError as exc:
             log.warning(
                 "ignoring corrupt pointer %s in %s (falling back to listing manifests/): %s",
-                layout.POINTER_KEY, self.store.location, exc,
+                layout.POINTER_KEY,
+                self.store.location,
+                exc,
             )
             return None
 
@@ -127,8 +129,11 @@ class Reader:
                 why = _describe(exc)
                 rejected.append(f"step {manifest.step}: {why}")
                 log.warning(
-                    "rejecting checkpoint step %d (%s) while loading, falling back to its parent "
-                    "%s: %s", manifest.step, manifest.key, manifest.parent, why,
+                    "rejecting checkpoint step %d (%s) while loading, falling back to its parent %s: %s",
+                    manifest.step,
+                    manifest.key,
+                    manifest.parent,
+                    why,
                 )
         detail = f" (rejected: {'; '.join(rejected)})" if rejected else ""
         raise NoCheckpointError(f"no valid checkpoint under {self.store.location}{detail}")
@@ -194,7 +199,10 @@ class Reader:
                 if problems:
                     log.warning(
                         "rejecting checkpoint step %d (%s), falling back to its parent %s: %s",
-                        step, key, manifest.parent, "; ".join(str(p) for p in problems),
+                        step,
+                        key,
+                        manifest.parent,
+                        "; ".join(str(p) for p in problems),
                     )
                     continue
             yield manifest
@@ -239,9 +247,7 @@ class Reader:
         """Stream a shard; the final ``next()`` raises :class:`ChecksumMismatchError` on a size or
         CRC32C mismatch, so consumers must not commit to the data before exhausting it."""
         layout.validate_key_in_root(receipt.key)
-        return self.store.get_stream(
-            receipt.key, expected_size=receipt.size, expected_crc32c=receipt.crc32c
-        )
+        return self.store.get_stream(receipt.key, expected_size=receipt.size, expected_crc32c=receipt.crc32c)
 
     def check(self, manifest: Manifest) -> list[Problem]:
         """HEAD every shard: present, same size, same version (and CRC32C where the store
@@ -279,13 +285,13 @@ class Reader:
         if len(shards) <= 1:
             results = [one(r) for r in shards]
         else:
-            with ThreadPoolExecutor(min(_HEAD_WORKERS, len(shards)), thread_name_prefix="objckpt-head") as pool:
+            with ThreadPoolExecutor(
+                min(_HEAD_WORKERS, len(shards)), thread_name_prefix="objckpt-head"
+            ) as pool:
                 results = list(pool.map(one, shards))
         return sorted((p for p in results if p is not None), key=lambda p: p.key)
 
-    def verify(
-        self, manifest: Manifest, progress: Callable[[int], None] | None = None
-    ) -> list[Problem]:
+    def verify(self, manifest: Manifest, progress: Callable[[int], None] | None = None) -> list[Problem]:
         """Full check: :meth:`check`, then download every shard verifying size and CRC32C.
 
         ``progress(n)`` is called with the byte count of each chunk read. Returns the problems.

@@ -46,7 +46,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.reliability import harness, scenarios as sc  # noqa: E402
+from tests.reliability import harness  # noqa: E402
+from tests.reliability import scenarios as sc
 
 
 @dataclass
@@ -88,15 +89,24 @@ class Matrix:
             out = f"{type(exc).__name__}: {first[:500]}"
             if not isinstance(exc, AssertionError):
                 tb = traceback.extract_tb(exc.__traceback__)
-                where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb)
-                              if "objckpt" in f.filename or "reliability" in f.filename), "")
+                where = next(
+                    (
+                        f"{Path(f.filename).name}:{f.lineno}"
+                        for f in reversed(tb)
+                        if "objckpt" in f.filename or "reliability" in f.filename
+                    ),
+                    "",
+                )
                 out += f" (at {where})" if where else ""
         cell = self.cells.setdefault(key, Cell(group, key[1], backend))
         cell.trials.append(out)
         cell.seconds += time.monotonic() - t0
         mark = "ok  " if isinstance(out, sc.Outcome) else "FAIL"
-        print(f"  [{mark}] {key[1]:<44} {backend:<14} {time.monotonic() - t0:6.1f}s"
-              + ("" if isinstance(out, sc.Outcome) else f"  {out[:160]}"), flush=True)
+        print(
+            f"  [{mark}] {key[1]:<44} {backend:<14} {time.monotonic() - t0:6.1f}s"
+            + ("" if isinstance(out, sc.Outcome) else f"  {out[:160]}"),
+            flush=True,
+        )
 
 
 # ---------------------------------------------------------------------------------- sections
@@ -124,7 +134,10 @@ def chaos_section(m: Matrix, trials: int, seed: int) -> None:
             ("chaos:lost manifest response (reset)", lambda leg: sc.chaos_lost_manifest(leg, "reset")),
             ("chaos:lost manifest response (slowdown)", lambda leg: sc.chaos_lost_manifest(leg, "slowdown")),
             ("chaos:lost shard response (single PUT)", lambda leg: sc.chaos_lost_shard(leg, "small_put")),
-            ("chaos:lost shard response (multipart completion)", lambda leg: sc.chaos_lost_shard(leg, "complete")),
+            (
+                "chaos:lost shard response (multipart completion)",
+                lambda leg: sc.chaos_lost_shard(leg, "complete"),
+            ),
             ("chaos:restore x3 at 25% faults", sc.chaos_read_path),
         ]
         for trial in range(trials):
@@ -170,7 +183,12 @@ def crash_section(m: Matrix, legs: list[harness.Leg], trials: int) -> None:
                 if m.over_budget():
                     m.notes.append(f"crash trial {trial + 1} {point} on {leg.name}: not run (time budget)")
                     continue
-                m.run("crash", f"crash:{point}", leg.name, lambda leg=leg, point=point: sc.crash_scenario(leg, point))
+                m.run(
+                    "crash",
+                    f"crash:{point}",
+                    leg.name,
+                    lambda leg=leg, point=point: sc.crash_scenario(leg, point),
+                )
 
 
 def corruption_section(m: Matrix, legs: list[harness.Leg], trials: int) -> None:
@@ -182,7 +200,12 @@ def corruption_section(m: Matrix, legs: list[harness.Leg], trials: int) -> None:
                 if m.over_budget():
                     m.notes.append(f"corruption {kind} on {leg.name}: not run (time budget)")
                     continue
-                m.run("corrupt", f"corrupt:{kind}", leg.name, lambda leg=leg, kind=kind: sc.corruption_scenario(leg, kind))
+                m.run(
+                    "corrupt",
+                    f"corrupt:{kind}",
+                    leg.name,
+                    lambda leg=leg, kind=kind: sc.corruption_scenario(leg, kind),
+                )
 
 
 def pytest_section(m: Matrix, use_localstack: bool, timeout: float) -> None:
@@ -192,9 +215,20 @@ def pytest_section(m: Matrix, use_localstack: bool, timeout: float) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="objckpt-reliability-junit-") as tmp:
         xml_path = os.path.join(tmp, "junit.xml")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-               "--junitxml", xml_path,
-               "tests/reliability/test_concurrency.py", "tests/reliability/test_hostile.py"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "--junitxml",
+            xml_path,
+            "tests/reliability/test_concurrency.py",
+            "tests/reliability/test_hostile.py",
+        ]
         if not use_localstack or harness.localstack_unavailable():
             cmd += ["-m", "not localstack"]
         t0 = time.monotonic()
@@ -254,7 +288,9 @@ def _machine() -> str:
     with contextlib.suppress(OSError, ValueError, IndexError):
         kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
         mem = f", {kb / 1024 / 1024:.0f} GiB RAM"
-    return f"{platform.system()} {platform.release()} ({platform.machine()}), {os.cpu_count()} CPUs ({cpu}){mem}"
+    return (
+        f"{platform.system()} {platform.release()} ({platform.machine()}), {os.cpu_count()} CPUs ({cpu}){mem}"
+    )
 
 
 def _versions() -> str:
@@ -267,8 +303,12 @@ def _versions() -> str:
     ls_py = REPO / "build" / "localstack-venv" / "bin" / "python"
     if ls_py.exists():
         with contextlib.suppress(Exception):
-            v = subprocess.run([str(ls_py), "-c", "import importlib.metadata as m; print(m.version('localstack-core'))"],
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+            v = subprocess.run(
+                [str(ls_py), "-c", "import importlib.metadata as m; print(m.version('localstack-core'))"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
             if v:
                 parts.append(f"localstack-core {v}")
     return ", ".join(parts)
@@ -325,22 +365,31 @@ def render(m: Matrix, args: argparse.Namespace, elapsed: float) -> str:
         "",
     ]
     groups = [
-        ("chaos", "Network faults (chaos proxy between SDK and server)",
-         f"Random faults at {sc.CHAOS_FAULT_RATE:.0%} of requests (503 SlowDown, 500 InternalError, "
-         "reset mid-body, truncated body, added latency; half before the upstream sees the "
-         "request, half after it applied it), plus targeted one-shot faults where the row says so. "
-         "Every trial also requires that faults fired and retries happened."),
-        ("crash", "Crashes (SIGKILL of a real worker process at each protocol point)",
-         "State before the crash: step 10 committed (for the GC row: 10, 20, 30 committed, GC "
-         "with keep_last=1). The worker saves step 20 (2 ranks, each with a 3-part multipart "
-         "shard) and kills itself at the point. Expected: step 10 restored, except "
-         "after_manifest (step 20, by rolling forward over the stale LATEST) and the GC row (30)."),
-        ("corrupt", "Corruption of a committed checkpoint",
-         "Deterministic, so one trial per cell. Steps 10 and 20 committed, then step 20 damaged "
-         "(on file://, the flipped byte keeps size, mtime and stored CRC: only the CRC32C "
-         "verified while streaming can see it). Expected: step 10 restored whole, with "
-         "a warning naming step 20 and the reason; a corrupt LATEST only costs the O(1) hint "
-         "(step 20 is still found by listing manifests/)."),
+        (
+            "chaos",
+            "Network faults (chaos proxy between SDK and server)",
+            f"Random faults at {sc.CHAOS_FAULT_RATE:.0%} of requests (503 SlowDown, 500 InternalError, "
+            "reset mid-body, truncated body, added latency; half before the upstream sees the "
+            "request, half after it applied it), plus targeted one-shot faults where the row says so. "
+            "Every trial also requires that faults fired and retries happened.",
+        ),
+        (
+            "crash",
+            "Crashes (SIGKILL of a real worker process at each protocol point)",
+            "State before the crash: step 10 committed (for the GC row: 10, 20, 30 committed, GC "
+            "with keep_last=1). The worker saves step 20 (2 ranks, each with a 3-part multipart "
+            "shard) and kills itself at the point. Expected: step 10 restored, except "
+            "after_manifest (step 20, by rolling forward over the stale LATEST) and the GC row (30).",
+        ),
+        (
+            "corrupt",
+            "Corruption of a committed checkpoint",
+            "Deterministic, so one trial per cell. Steps 10 and 20 committed, then step 20 damaged "
+            "(on file://, the flipped byte keeps size, mtime and stored CRC: only the CRC32C "
+            "verified while streaming can see it). Expected: step 10 restored whole, with "
+            "a warning naming step 20 and the reason; a corrupt LATEST only costs the O(1) hint "
+            "(step 20 is still found by listing manifests/).",
+        ),
     ]
     bad: list[str] = []
     for group, title, blurb in groups:
@@ -349,7 +398,9 @@ def render(m: Matrix, args: argparse.Namespace, elapsed: float) -> str:
             continue
         lines += [f"## {title}", "", blurb, ""]
         extra_col = group == "chaos"
-        head = "| fault | backend | trials | outcome | restored step | bytes equal | orphans swept | retries |"
+        head = (
+            "| fault | backend | trials | outcome | restored step | bytes equal | orphans swept | retries |"
+        )
         sep = "|---|---|---|---|---|---|---|---|"
         if extra_col:
             head += " faults injected |"
@@ -379,8 +430,13 @@ def render(m: Matrix, args: argparse.Namespace, elapsed: float) -> str:
                     lines.append(f"* {c.scenario.split(':', 1)[1]}: `{outs[0].detail.replace('`', '')}`")
             lines.append("")
     if m.pytest_rows:
-        lines += ["## Concurrency and hostile inputs (pytest: tests/reliability/test_concurrency.py, "
-                  "test_hostile.py)", "", "| test | backend | outcome | note |", "|---|---|---|---|"]
+        lines += [
+            "## Concurrency and hostile inputs (pytest: tests/reliability/test_concurrency.py, "
+            "test_hostile.py)",
+            "",
+            "| test | backend | outcome | note |",
+            "|---|---|---|---|",
+        ]
         for test, backend, outcome, note in m.pytest_rows:
             lines.append(f"| `{test}` | {backend} | {outcome} | {note.replace('|', '/')} |")
             if "FAIL" in outcome:
@@ -415,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="first chaos-proxy seed (default 1)")
     ap.add_argument("--out", default=str(REPO / "RELIABILITY.md"), help="report path")
     ap.add_argument("--no-localstack", action="store_true", help="skip the LocalStack legs")
-    ap.add_argument("--budget", type=float, default=480.0,
-                    help="seconds after which no new section starts (default 480)")
+    ap.add_argument(
+        "--budget", type=float, default=480.0, help="seconds after which no new section starts (default 480)"
+    )
     args = ap.parse_args(argv)
     if args.trials < 1:
         ap.error("--trials must be >= 1")
@@ -437,8 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     report = render(m, args, elapsed)
     Path(args.out).write_text(report)
     failing = sum(1 for c in m.cells.values() if c.failures) + sum(1 for r in m.pytest_rows if "FAIL" in r[2])
-    print(f"wrote {args.out} in {elapsed:.0f}s: {len(m.cells)} cells, {len(m.pytest_rows)} pytest rows, "
-          f"{failing} not holding", flush=True)
+    print(
+        f"wrote {args.out} in {elapsed:.0f}s: {len(m.cells)} cells, {len(m.pytest_rows)} pytest rows, "
+        f"{failing} not holding",
+        flush=True,
+    )
     return 1 if failing else 0
 
 

@@ -20,11 +20,9 @@ A memory bound, not a timing: it holds on a loaded machine too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import threading
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,8 +55,7 @@ def _state_source(backing: memoryview, header_len: int = 1000) -> Iterator[memor
 def _save(store, backing: memoryview) -> None:
     """One complete save through the protocol core: a rank's shard, then the commit."""
     attempt = layout.new_attempt_id()
-    writer = ShardWriter(store, step=1, attempt=attempt, rank=0, part_size=PART,
-                         max_in_flight=IN_FLIGHT)
+    writer = ShardWriter(store, step=1, attempt=attempt, rank=0, part_size=PART, max_in_flight=IN_FLIGHT)
     writer.write("state.bin", _state_source(backing))
     Coordinator(store, world_size=1).commit(1, attempt, {0: writer.receipts})
 
@@ -147,8 +144,7 @@ def test_checkpoint_manager_save_peak_heap_is_bounded(tmp_path: Path) -> None:
 
     params = [torch.full((MiB,), float(i)) for i in range(16)]  # 16 x 4 MiB, outside the heap
     model = torch.nn.ParameterList([torch.nn.Parameter(p, requires_grad=False) for p in params])
-    store = open_store(f"file://{tmp_path / 'run'}", part_size=str(PART),
-                       max_in_flight=str(IN_FLIGHT))
+    store = open_store(f"file://{tmp_path / 'run'}", part_size=str(PART), max_in_flight=str(IN_FLIGHT))
     with CheckpointManager(store, keep_last=None) as mgr:
         tracemalloc.start()
         try:

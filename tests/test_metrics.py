@@ -92,7 +92,11 @@ def test_failed_save_names_phase_and_keeps_last_commit(metrics, clock):
     assert snap["last_committed_step"] == 5
     failure = rec.events[-1]
     assert (failure.kind, failure.phase, failure.error_type, failure.error) == (
-        "failure", "commit", "RuntimeError", "boom")
+        "failure",
+        "commit",
+        "RuntimeError",
+        "boom",
+    )
 
 
 def test_unblocked_marks_blocking_part_of_async_save(metrics, clock):

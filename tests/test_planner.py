@@ -93,8 +93,18 @@ def test_suggest_interval_uses_median_and_bounds():
 
 @pytest.mark.parametrize(
     "text, seconds",
-    [("12s", 12), ("20m", 1200), ("20min", 1200), ("6h", 21600), ("1.5h", 5400),
-     ("1h30m", 5400), ("250ms", 0.25), ("3d", 259200), ("90", 90), (45, 45)],
+    [
+        ("12s", 12),
+        ("20m", 1200),
+        ("20min", 1200),
+        ("6h", 21600),
+        ("1.5h", 5400),
+        ("1h30m", 5400),
+        ("250ms", 0.25),
+        ("3d", 259200),
+        ("90", 90),
+        (45, 45),
+    ],
 )
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from objckpt._retry import RetryPolicy
 from objckpt.commit import Coordinator
 from objckpt.errors import ChecksumMismatchError, CommitConflict, NoCheckpointError
 from objckpt.layout import new_attempt_id
@@ -15,7 +16,6 @@ from objckpt.store import PutMode
 from objckpt.store.memory import MemoryStore
 from objckpt.store.wrappers import CountingStore, Fault, FaultInjectingStore
 from objckpt.writer import ShardWriter
-from objckpt._retry import RetryPolicy
 
 FAST_RETRY = RetryPolicy(initial_backoff=0.0, max_backoff=0.0, max_attempts=5)
 
@@ -34,8 +34,13 @@ def commit(store, step, *, world_size=2, names=("model", "optim"), size=5000):
             w.write(name, content(step, rank, name, size))
         receipts[rank] = w.receipts
     return Coordinator(store, world_size=world_size).commit(
-        step=step, attempt=attempt, receipts=receipts, progress={"global_step": step},
-        run={"config_hash": "abc"}, topology={"dp": world_size}, metadata={"note": "x"},
+        step=step,
+        attempt=attempt,
+        receipts=receipts,
+        progress={"global_step": step},
+        run={"config_hash": "abc"},
+        topology={"dp": world_size},
+        metadata={"note": "x"},
     )
 
 
@@ -58,7 +63,10 @@ def test_replicate_latest_is_a_real_commit_with_identical_bytes(src, dst):
     assert (m.progress, m.topology, m.world_size) == (source.progress, source.topology, 2)
     assert m.run["config_hash"] == "abc" and m.metadata["note"] == "x"
     assert m.metadata["replicated_from"] == {
-        "location": "memory://src", "step": 20, "attempt": source.attempt, "checksum": source.checksum,
+        "location": "memory://src",
+        "step": 20,
+        "attempt": source.attempt,
+        "checksum": source.checksum,
     }
     reader = Reader(dst)
     assert reader.latest() == m and reader.pointer().step == 20
@@ -146,7 +154,7 @@ class _SlicedSource(MemoryStore):
 
     CHUNK = 64 * 1024
 
-    def __init__(self, dst: "_TrackingDest") -> None:
+    def __init__(self, dst: _TrackingDest) -> None:
         super().__init__("sliced", retry=FAST_RETRY)
         self.dst = dst
         self.read = 0

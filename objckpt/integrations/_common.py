@@ -79,8 +79,13 @@ def commit_single_writer(
     for name, source in shards:
         writer.write(name, source)
     return Coordinator(store, world_size=1).commit(
-        step, attempt, {0: writer.receipts},
-        progress=progress, run=run, topology=topology, metadata=metadata,
+        step,
+        attempt,
+        {0: writer.receipts},
+        progress=progress,
+        run=run,
+        topology=topology,
+        metadata=metadata,
     )
 
 
@@ -180,7 +185,9 @@ class Collective:
     def world_size(self) -> int:
         return self.comm.world_size
 
-    def agree(self, obj: Any, decide: Callable[[list[Any]], Any], what: str, *, handshake: bool = False) -> Any:
+    def agree(
+        self, obj: Any, decide: Callable[[list[Any]], Any], what: str, *, handshake: bool = False
+    ) -> Any:
         """Gather, decide on rank 0, broadcast; every rank returns or raises the same thing."""
         return self.comm.agree(obj, decide, what, handshake=handshake)
 
@@ -212,7 +219,9 @@ def decide_restored(reports: list[Any]) -> int | None:
     return agree_on_step({r: rep.get("step") for r, rep in enumerate(reports)})
 
 
-def agree_restored(collective: Collective, step: int | None, error: BaseException | None, what: str) -> int | None:
+def agree_restored(
+    collective: Collective, step: int | None, error: BaseException | None, what: str
+) -> int | None:
     """Every rank reports the step it restored (or its error); all return the same step or all
     raise. A single process raises its own error unchanged."""
     if collective.world_size == 1:

@@ -195,7 +195,8 @@ class ObjckptCheckpointEngine(_Base):
             else:
                 log.warning(
                     "discarding the unfinished save of tag %s (create() without commit(), e.g. "
-                    "after an exception); its shards are left for garbage collection", previous.tag,
+                    "after an exception); its shards are left for garbage collection",
+                    previous.tag,
                 )
                 with self._lock:
                     self._pending = None
@@ -211,13 +212,20 @@ class ObjckptCheckpointEngine(_Base):
             "error": error,
             "attempt": layout.new_attempt_id() if comm.rank == 0 else None,
         }
-        attempt = comm.agree(hello, _decide_handshake, f"save_checkpoint(tag={tag}) handshake", handshake=True)
+        attempt = comm.agree(
+            hello, _decide_handshake, f"save_checkpoint(tag={tag}) handshake", handshake=True
+        )
         assert step is not None
         writer = ShardWriter(self.store, step=step, attempt=attempt, rank=comm.rank)
         with self._lock:
             self._pending = _Save(
-                tag=tag, save_dir=os.fspath(info.save_dir), save_latest=bool(getattr(info, "save_latest", True)),
-                step=step, attempt=attempt, writer=writer, info=info,
+                tag=tag,
+                save_dir=os.fspath(info.save_dir),
+                save_latest=bool(getattr(info, "save_latest", True)),
+                step=step,
+                attempt=attempt,
+                writer=writer,
+                info=info,
             )
 
     def save(self, state_dict: Any, path: str) -> None:
@@ -276,7 +284,8 @@ class ObjckptCheckpointEngine(_Base):
             else:
                 report = {"receipts": [r.to_dict() for r in p.writer.receipts]}
             step = self._collective.agree(
-                report, lambda reports: self._commit_on_rank0(p, reports).step,
+                report,
+                lambda reports: self._commit_on_rank0(p, reports).step,
                 f"save_checkpoint(tag={p.tag}) commit",
             )
         finally:
@@ -300,7 +309,10 @@ class ObjckptCheckpointEngine(_Base):
         if self.config_hash is not None:
             run["config_hash"] = self.config_hash
         return _common.commit_gathered(
-            self.store, p.step, p.attempt, reports,
+            self.store,
+            p.step,
+            p.attempt,
+            reports,
             progress={"global_step": p.step},
             run=run,
             topology={"deepspeed_files": files},
@@ -309,7 +321,9 @@ class ObjckptCheckpointEngine(_Base):
 
     def _retain(self) -> None:
         retain_after_commit(
-            self.store, keep_last=self.keep_last, keep_every=self.keep_every,
+            self.store,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
             grace_period=self.gc_grace_period,
         )
 
@@ -456,7 +470,9 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, **kwargs
             error = NoCheckpointError(f"DeepSpeed did not load tag {chosen} from {load_dir}")
     except Exception as exc:  # noqa: BLE001 - every rank raises alike
         error = exc
-    _common.agree_restored(ckpt._collective, ckpt.step_of_tag(chosen), error, f"load_checkpoint(tag={chosen})")
+    _common.agree_restored(
+        ckpt._collective, ckpt.step_of_tag(chosen), error, f"load_checkpoint(tag={chosen})"
+    )
     return result
 
 

@@ -147,11 +147,18 @@ class ObjckptCallback(_Base):
         def commit(reports: list[Any]) -> str:
             _check_coverage(step, reports)
             manifest = _common.commit_gathered(
-                self.store, step, attempt, reports,
+                self.store,
+                step,
+                attempt,
+                reports,
                 progress={"global_step": step, "epoch": state.epoch},
                 run=self._run_identity(),
                 topology={"owner": "rng_state_<r>.pth: rank r; other files: rank 0"},
-                metadata={**self.metadata, "integration": "huggingface", "huggingface": {"folder": folder_name}},
+                metadata={
+                    **self.metadata,
+                    "integration": "huggingface",
+                    "huggingface": {"folder": folder_name},
+                },
             )
             return manifest.encode().decode("utf-8")
 
@@ -174,9 +181,12 @@ class ObjckptCallback(_Base):
 
     def _retain(self) -> None:
         retain_after_commit(
-            self.store, keep_last=self.keep_last, keep_every=self.keep_every,
+            self.store,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
             grace_period=self.gc_grace_period,
         )
+
 
 def _files_under(folder: str) -> list[str]:
     if not os.path.isdir(folder):
@@ -275,7 +285,9 @@ def download_checkpoint(
                 _download(reader, manifest, folder)
             except Exception as exc:  # noqa: BLE001 - every rank raises alike
                 error = exc
-        _common.agree_restored(collective, chosen["step"], error, f"download_checkpoint(step={chosen['step']})")
+        _common.agree_restored(
+            collective, chosen["step"], error, f"download_checkpoint(step={chosen['step']})"
+        )
         log.info("downloaded checkpoint step %s from %s to %s", chosen["step"], store.location, folder)
         return folder
     finally:
@@ -296,7 +308,9 @@ def _choose(reader: Reader, step: int | None) -> dict[str, Any] | None:
             raise NoCheckpointError(f"checkpoint step {step} is damaged: " + "; ".join(map(str, problems)))
     info = manifest.metadata.get("huggingface")
     if not isinstance(info, dict) or not isinstance(info.get("folder"), str):
-        raise NoCheckpointError(f"step {manifest.step} ({manifest.key}) is not a Hugging Face Trainer checkpoint")
+        raise NoCheckpointError(
+            f"step {manifest.step} ({manifest.key}) is not a Hugging Face Trainer checkpoint"
+        )
     folder = info["folder"]
     if folder != f"{CHECKPOINT_PREFIX}-{manifest.step}":
         raise NoCheckpointError(f"step {manifest.step}: unexpected folder name {folder!r} in {manifest.key}")
@@ -319,4 +333,3 @@ def _download(reader: Reader, manifest: Manifest, folder: str) -> None:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-

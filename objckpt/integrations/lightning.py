@@ -137,8 +137,7 @@ class ObjckptCheckpointIO(_CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError(
-                "ObjckptCheckpointIO.save_checkpoint does not take storage_options; got "
-                f"{storage_options!r}"
+                f"ObjckptCheckpointIO.save_checkpoint does not take storage_options; got {storage_options!r}"
             )
         from ..training import serialization
 
@@ -153,8 +152,12 @@ class ObjckptCheckpointIO(_CheckpointIO):
             )
         with self._lock:
             if step in self._known:
-                log.info("step %d is already committed under %s; %s names that checkpoint",
-                         step, self.store.location, name)
+                log.info(
+                    "step %d is already committed under %s; %s names that checkpoint",
+                    step,
+                    self.store.location,
+                    name,
+                )
                 self._names[name] = step
                 return
             self._saving += 1
@@ -282,7 +285,9 @@ class ObjckptCheckpointIO(_CheckpointIO):
             info = manifest.metadata.get("lightning")
             if isinstance(info, dict) and info.get("name") == name:
                 return manifest
-        raise NoCheckpointError(f"no committed Lightning checkpoint named {name!r} under {self.store.location}")
+        raise NoCheckpointError(
+            f"no committed Lightning checkpoint named {name!r} under {self.store.location}"
+        )
 
     def _decode(self, manifest: Manifest) -> dict[str, Any]:
         from ..training import serialization
@@ -340,8 +345,12 @@ class ObjckptCheckpointIO(_CheckpointIO):
                     run_gc(self.store, plan)
                 remaining = set(self.reader.steps()) if plan.manifests else steps
             except Exception as exc:  # noqa: BLE001 - deletion is best effort
-                log.warning("could not remove checkpoints %s under %s (kept): %s",
-                            sorted(pending), self.store.location, exc)
+                log.warning(
+                    "could not remove checkpoints %s under %s (kept): %s",
+                    sorted(pending),
+                    self.store.location,
+                    exc,
+                )
                 return
             deleted = pending - remaining
             self._pending_removal = pending & remaining
@@ -349,8 +358,11 @@ class ObjckptCheckpointIO(_CheckpointIO):
             for step in sorted(deleted):
                 log.info("removed checkpoint step %d under %s", step, self.store.location)
             for step in sorted(self._pending_removal):
-                log.info("checkpoint step %d kept for now (%s); removed after a later commit",
-                         step, plan.kept.get(step, "not yet safe"))
+                log.info(
+                    "checkpoint step %d kept for now (%s); removed after a later commit",
+                    step,
+                    plan.kept.get(step, "not yet safe"),
+                )
 
     def teardown(self) -> None:
         """Retry pending removals, then destroy the gloo groups this plug-in created for its

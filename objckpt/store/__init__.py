@@ -85,9 +85,25 @@ def parse_uri(uri: str) -> ParsedURI:
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6,
-          "mib": 1024**2, "g": 10**9, "gb": 10**9, "gib": 1024**3, "ki": 1024, "mi": 1024**2,
-          "gi": 1024**3, "t": 10**12, "tb": 10**12, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1024**2,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1024**3,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1024**4,
+}
 
 
 def parse_size(value: str | int) -> int:
@@ -155,9 +171,7 @@ def open_store(uri: str, **options: Any) -> Store:
     known = set(COMMON_OPTIONS) | set(getattr(cls, "OPTIONS", ()))
     unknown = sorted(set(merged) - known)
     if unknown:
-        raise ConfigError(
-            f"unknown option(s) {unknown} for {parsed.scheme}:// URIs; known: {sorted(known)}"
-        )
+        raise ConfigError(f"unknown option(s) {unknown} for {parsed.scheme}:// URIs; known: {sorted(known)}")
     return cls.from_uri(parsed, merged)
 
 

@@ -71,7 +71,9 @@ class PutMode:
         return cls("update", version)
 
     def __repr__(self) -> str:
-        return f"PutMode.update({self.version!r})" if self.kind == "update" else f"PutMode.{self.kind.upper()}"
+        return (
+            f"PutMode.update({self.version!r})" if self.kind == "update" else f"PutMode.{self.kind.upper()}"
+        )
 
 
 PutMode.OVERWRITE = PutMode("overwrite")
@@ -197,9 +199,7 @@ class Store(ABC):
     def _head(self, key: str) -> ObjectMeta: ...
 
     @abstractmethod
-    def _list_page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[ObjectMeta], bool]:
+    def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:
         """Up to ``limit`` objects under ``prefix`` with key > ``start_after``, sorted by key,
         and whether more may follow."""
 
@@ -409,7 +409,8 @@ class Store(ABC):
                     if expected_size is not None and crc.size > expected_size:
                         raise ChecksumMismatchError(
                             f"object is larger than its receipt's {expected_size} bytes",
-                            key=key, location=self.location,
+                            key=key,
+                            location=self.location,
                         )
                     yield chunk
                 break
@@ -432,21 +433,21 @@ class Store(ABC):
         if expected_size is not None and crc.size != expected_size:
             raise ChecksumMismatchError(
                 f"size mismatch: read {crc.size} bytes, receipt says {expected_size}",
-                key=key, location=self.location,
+                key=key,
+                location=self.location,
             )
         if expected_crc32c is not None and crc.b64 != expected_crc32c:
             raise ChecksumMismatchError(
                 f"CRC32C mismatch: read {crc.b64}, receipt says {expected_crc32c}",
-                key=key, location=self.location,
+                key=key,
+                location=self.location,
             )
 
     def get_verified(
         self, key: str, *, expected_size: int | None = None, expected_crc32c: str | None = None
     ) -> bytes:
         """The whole object, only if its size and CRC32C match (``ChecksumMismatchError``)."""
-        return b"".join(
-            self.get_stream(key, expected_size=expected_size, expected_crc32c=expected_crc32c)
-        )
+        return b"".join(self.get_stream(key, expected_size=expected_size, expected_crc32c=expected_crc32c))
 
     def head(self, key: str) -> ObjectMeta:
         """Size, version and (when known) CRC32C. Raises :class:`NotFoundError`."""
@@ -594,9 +595,7 @@ def _wait_first(
     return set(done), set(pending)
 
 
-def _collect(
-    done: set[Future[PartResult]], progress: Callable[[int], None] | None
-) -> list[PartResult]:
+def _collect(done: set[Future[PartResult]], progress: Callable[[int], None] | None) -> list[PartResult]:
     out = []
     for fut in done:
         result = fut.result()  # re-raises the part's error

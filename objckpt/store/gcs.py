@@ -258,7 +258,9 @@ class GCSStore(Store):
         except auth_exc.DefaultCredentialsError as exc:
             raise PermissionDeniedError(
                 "no usable Google credentials (set up Application Default Credentials, or pass "
-                "anonymous=true for an emulator)", location=self.location, operation="connect",
+                "anonymous=true for an emulator)",
+                location=self.location,
+                operation="connect",
             ) from exc
         try:
             # Room for every part in flight plus listings/deletes, so connections are reused
@@ -302,7 +304,9 @@ class GCSStore(Store):
         if key.startswith(PRIVATE):
             raise InvalidKeyError(
                 f"keys under {PRIVATE!r} are reserved for objckpt's temporary upload parts",
-                key=key, location=self.location, operation=operation,
+                key=key,
+                location=self.location,
+                operation=operation,
             )
 
     @staticmethod
@@ -367,15 +371,11 @@ class GCSStore(Store):
                 if mode is not None and mode.kind == "create":
                     return AlreadyExistsError(f"object already exists; {detail}", **where)
                 if mode is not None and mode.kind == "update":
-                    return PreconditionFailedError(
-                        f"generation is not {mode.version}; {detail}", **where
-                    )
+                    return PreconditionFailedError(f"generation is not {mode.version}; {detail}", **where)
                 return PreconditionFailedError(f"precondition failed; {detail}", **where)
             if status == 404:
                 if self._bucket_missing(exc, operation):
-                    return NotFoundError(
-                        f"bucket {self.bucket_name!r} does not exist; {detail}", **where
-                    )
+                    return NotFoundError(f"bucket {self.bucket_name!r} does not exist; {detail}", **where)
                 return NotFoundError(f"no such object; {detail}", **where)
             if status in (401, 403):
                 return PermissionDeniedError(
@@ -386,7 +386,8 @@ class GCSStore(Store):
             if status == 400 and ("crc32c" in detail.lower() or "checksum" in detail.lower()):
                 return StoreError(
                     f"server rejected the data: checksum mismatch ({detail}); the bytes sent do "
-                    "not match their CRC32C", **where,
+                    "not match their CRC32C",
+                    **where,
                 )
             return StoreError(f"request rejected; {detail}", **where)
         if isinstance(exc, auth_exc.RefreshError):
@@ -399,9 +400,7 @@ class GCSStore(Store):
             return TransientError(f"connection problem: {type(exc).__name__}: {exc}", **where)
         return exc
 
-    def _raise(
-        self, exc: BaseException, operation: str, key: str, mode: PutMode | None = None
-    ) -> NoReturn:
+    def _raise(self, exc: BaseException, operation: str, key: str, mode: PutMode | None = None) -> NoReturn:
         mapped = self._map_error(exc, operation, key, mode)
         if mapped is exc:
             raise exc
@@ -448,7 +447,10 @@ class GCSStore(Store):
             log.warning("could not delete %s after a CRC32C mismatch", blob.name, exc_info=True)
         raise StoreError(
             f"checksum mismatch: the server stored CRC32C {blob.crc32c}, the bytes sent have "
-            f"{crc32c}; the write was deleted", key=key, location=self.location, operation=operation,
+            f"{crc32c}; the write was deleted",
+            key=key,
+            location=self.location,
+            operation=operation,
         )
 
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
@@ -508,8 +510,11 @@ class GCSStore(Store):
         try:
             # The marker names the target key, so GC can find and abort an abandoned upload.
             self._upload(
-                self._name(_UPLOADS + upload_id), marker, crc32c_b64(marker),
-                if_generation_match=0, metadata={_META_KEY: key},
+                self._name(_UPLOADS + upload_id),
+                marker,
+                crc32c_b64(marker),
+                if_generation_match=0,
+                metadata={_META_KEY: key},
             )
         except Exception as exc:
             self._raise(exc, "create_upload", key)
@@ -522,7 +527,9 @@ class GCSStore(Store):
             raise StoreError(
                 f"object needs more than {MAX_COMPONENTS} parts of {data.nbytes} bytes; a GCS "
                 f"composite object has at most {MAX_COMPONENTS} components: raise part_size",
-                key=handle.key, location=self.location, operation="upload_part",
+                key=handle.key,
+                location=self.location,
+                operation="upload_part",
             )
         name = self._name(f"{_PARTS}{handle.upload_id}/{part_number:05d}")
         try:
@@ -535,7 +542,11 @@ class GCSStore(Store):
         return PartResult(part_number, offset, data.nbytes, crc32c, token=(name, blob.generation))
 
     def _compose(
-        self, target: str, sources: list[tuple[str, int]], *, if_generation_match: int | None = None,
+        self,
+        target: str,
+        sources: list[tuple[str, int]],
+        *,
+        if_generation_match: int | None = None,
         metadata: dict[str, str] | None = None,
     ) -> Any:
         bucket = self._bucket
@@ -563,13 +574,17 @@ class GCSStore(Store):
         if numbers != list(range(1, len(parts) + 1)) or sum(p.size for p in parts) != size:
             raise StoreError(
                 f"parts {numbers[:5]}... do not add up to {size} bytes",
-                key=key, location=self.location, operation="complete_upload",
+                key=key,
+                location=self.location,
+                operation="complete_upload",
             )
         level: list[tuple[str, int]] = [p.token for p in parts]
         depth = 0
         try:
             while len(level) > MAX_COMPOSE_SOURCES:
-                groups = [level[i : i + MAX_COMPOSE_SOURCES] for i in range(0, len(level), MAX_COMPOSE_SOURCES)]
+                groups = [
+                    level[i : i + MAX_COMPOSE_SOURCES] for i in range(0, len(level), MAX_COMPOSE_SOURCES)
+                ]
                 names = [self._name(f"{_PARTS}{uid}/c{depth}-{i:05d}") for i in range(len(groups))]
                 blobs = list(self._aux_pool().map(lambda ng: self._compose(ng[0], ng[1]), zip(names, groups)))
                 level = [(b.name, b.generation) for b in blobs]
@@ -581,18 +596,26 @@ class GCSStore(Store):
             raise StoreError(
                 f"composed object does not match its parts: {staged.size} bytes, CRC32C "
                 f"{staged.crc32c}; expected {size} bytes, CRC32C {crc32c}; nothing was published",
-                key=key, location=self.location, operation="complete_upload",
+                key=key,
+                location=self.location,
+                operation="complete_upload",
             )
         mode = handle.mode
         target = self._name(key)
         try:
             final = self._compose(
-                target, [(staged.name, staged.generation)],
-                if_generation_match=self._generation_match(mode), metadata={_META_UPLOAD: uid},
+                target,
+                [(staged.name, staged.generation)],
+                if_generation_match=self._generation_match(mode),
+                metadata={_META_UPLOAD: uid},
             )
         except Exception as exc:
             mapped = self._map_error(exc, "complete_upload", key, mode)
-            mine = self._published_by(target, uid) if isinstance(mapped, (AlreadyExistsError, PreconditionFailedError)) else None
+            mine = (
+                self._published_by(target, uid)
+                if isinstance(mapped, (AlreadyExistsError, PreconditionFailedError))
+                else None
+            )
             if mine is None:
                 if mapped is exc:
                     raise
@@ -666,8 +689,11 @@ class GCSStore(Store):
                 # Whole object: the SDK checks the bytes against the CRC32C header it gets.
                 return blob.download_as_bytes(checksum="crc32c", timeout=self.timeout, retry=None)
             return blob.download_as_bytes(
-                start=start, end=None if end is None else end - 1, checksum=None,
-                timeout=self.timeout, retry=None,
+                start=start,
+                end=None if end is None else end - 1,
+                checksum=None,
+                timeout=self.timeout,
+                retry=None,
             )
         except gexc.RequestRangeNotSatisfiable:
             return b""  # the range starts at or past the end: no bytes, like a slice
@@ -693,7 +719,9 @@ class GCSStore(Store):
                 if isinstance(mapped, NotFoundError):
                     mapped = NotFoundError(
                         f"generation {generation} was replaced or deleted while being read",
-                        key=key, location=self.location, operation="get",
+                        key=key,
+                        location=self.location,
+                        operation="get",
                     )
                 if mapped is exc:
                     raise
@@ -701,7 +729,9 @@ class GCSStore(Store):
             if not chunk:
                 raise TransientError(
                     f"server sent no bytes at offset {pos} of {head.size}",
-                    key=key, location=self.location, operation="get",
+                    key=key,
+                    location=self.location,
+                    operation="get",
                 )
             pos += len(chunk)
             yield chunk
@@ -716,13 +746,11 @@ class GCSStore(Store):
 
     def _list_names(self, full_prefix: str) -> Iterator[Any]:
         """Every object whose full name starts with ``full_prefix`` (all pages)."""
-        return iter(self.client.list_blobs(
-            self.bucket_name, prefix=full_prefix, timeout=self.timeout, retry=None
-        ))
+        return iter(
+            self.client.list_blobs(self.bucket_name, prefix=full_prefix, timeout=self.timeout, retry=None)
+        )
 
-    def _list_page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[ObjectMeta], bool]:
+    def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:
         out: list[ObjectMeta] = []
         token = None
         try:
@@ -755,8 +783,11 @@ class GCSStore(Store):
     def _list_prefixes(self, prefix: str) -> list[str]:
         try:
             it = self.client.list_blobs(
-                self.bucket_name, prefix=self._name(prefix), delimiter="/",
-                timeout=self.timeout, retry=None,
+                self.bucket_name,
+                prefix=self._name(prefix),
+                delimiter="/",
+                timeout=self.timeout,
+                retry=None,
             )
             for _ in it:  # the prefixes accumulate as the pages go by
                 pass
@@ -788,7 +819,9 @@ class GCSStore(Store):
                 exists = True  # cannot tell; the deletes themselves did not fail
             if not exists:
                 raise NotFoundError(
-                    f"bucket {self.bucket_name!r} does not exist", key="", location=self.location,
+                    f"bucket {self.bucket_name!r} does not exist",
+                    key="",
+                    location=self.location,
                     operation="delete",
                 )
             self._bucket_seen = True

@@ -167,7 +167,9 @@ class LocalStore(Store):
             raise InvalidKeyError(
                 "invalid key for a file:// store (absolute, empty/'.'/'..' segment, NUL, or the "
                 f"reserved {RESERVED_PREFIX}* prefix)",
-                key=key, location=self.location, operation=operation,
+                key=key,
+                location=self.location,
+                operation=operation,
             )
         return os.path.join(self.root, *segments)
 
@@ -211,7 +213,9 @@ class LocalStore(Store):
                     raise NotSupportedError(
                         "a file:// store cannot hold both an object and keys below it "
                         f"({os.path.relpath(directory, self.root)!r} is an object)",
-                        key=key, location=self.location, operation=operation,
+                        key=key,
+                        location=self.location,
+                        operation=operation,
                     ) from None
                 continue  # a concurrent writer made it
             except OSError as exc:
@@ -354,7 +358,9 @@ class LocalStore(Store):
                             current = _token(st) if st is not None and stat.S_ISREG(st.st_mode) else "absent"
                             raise PreconditionFailedError(
                                 f"version is {current}, expected {mode.version}",
-                                key=key, location=self.location, operation=operation,
+                                key=key,
+                                location=self.location,
+                                operation=operation,
                             )
                     self._replace(staging, target, key, operation)
         except StoreError:
@@ -383,9 +389,13 @@ class LocalStore(Store):
             raise NotSupportedError(
                 "a file:// store cannot hold both an object and keys below it "
                 "(the key is a directory of other keys)",
-                key=key, location=self.location, operation=operation,
+                key=key,
+                location=self.location,
+                operation=operation,
             )
-        raise AlreadyExistsError("object already exists", key=key, location=self.location, operation=operation)
+        raise AlreadyExistsError(
+            "object already exists", key=key, location=self.location, operation=operation
+        )
 
     def _replace(self, staging: str, target: str, key: str, operation: str) -> None:
         try:
@@ -394,7 +404,9 @@ class LocalStore(Store):
             raise NotSupportedError(
                 "a file:// store cannot hold both an object and keys below it "
                 "(the key is a directory of other keys)",
-                key=key, location=self.location, operation=operation,
+                key=key,
+                location=self.location,
+                operation=operation,
             ) from None
 
     def _meta(self, key: str, st: os.stat_result, crc32c: str | None) -> ObjectMeta:
@@ -464,7 +476,8 @@ class LocalStore(Store):
         if crc32c_b64(data) != crc32c:
             raise ChecksumMismatchError(
                 f"part {part_number} does not match its CRC32C {crc32c}",
-                key=handle.key, location=self.location,
+                key=handle.key,
+                location=self.location,
             )
         try:
             # No O_CREAT: a part arriving after an abort must not resurrect the upload.
@@ -489,13 +502,17 @@ class LocalStore(Store):
             if part.offset != expected:
                 raise StoreError(
                     f"parts do not tile the object: gap or overlap at byte {expected}",
-                    key=handle.key, location=self.location, operation="complete_upload",
+                    key=handle.key,
+                    location=self.location,
+                    operation="complete_upload",
                 )
             expected += part.size
         if expected != size:
             raise StoreError(
                 f"parts add up to {expected} bytes, expected {size}",
-                key=handle.key, location=self.location, operation="complete_upload",
+                key=handle.key,
+                location=self.location,
+                operation="complete_upload",
             )
         try:
             fd = os.open(handle.state["path"], os.O_WRONLY | os.O_CLOEXEC)
@@ -660,9 +677,7 @@ class LocalStore(Store):
             elif key.startswith(prefix) and (start_after is None or key > start_after):
                 yield key, path
 
-    def _list_page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[ObjectMeta], bool]:
+    def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:
         start = self._start_dir(prefix)
         if start is None:
             return [], False

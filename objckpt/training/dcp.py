@@ -200,9 +200,7 @@ def _parse_step(checkpoint_id: Any) -> int:
         return check_step(checkpoint_id)
     if isinstance(checkpoint_id, str) and checkpoint_id.isdigit():
         return check_step(int(checkpoint_id))
-    raise ConfigError(
-        f"objckpt DCP storage takes the step number as checkpoint_id, got {checkpoint_id!r}"
-    )
+    raise ConfigError(f"objckpt DCP storage takes the step number as checkpoint_id, got {checkpoint_id!r}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -297,7 +295,7 @@ def _decode_value(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, dict) and len(value) == 1:
-        (tag, body), = value.items()
+        ((tag, body),) = value.items()
         if tag in ("tuple", "list") and isinstance(body, list):
             items = [_decode_value(v) for v in body]
             return tuple(items) if tag == "tuple" else items
@@ -627,9 +625,7 @@ class ObjckptStorageWriter(StorageWriter):
             local = plan.storage_data
             nonce = local.nonce if isinstance(local, _LocalStorageData) else None
             out.append(
-                dataclasses.replace(
-                    plan, storage_data=_GlobalStorageData(attempt, i, len(plans), nonce)
-                )
+                dataclasses.replace(plan, storage_data=_GlobalStorageData(attempt, i, len(plans), nonce))
             )
         return out
 
@@ -724,8 +720,14 @@ class ObjckptStorageWriter(StorageWriter):
                     )
                 view = _tensor_bytes(data)
                 loc = _ItemLocation(
-                    self.rank, name, offset, view.nbytes, "", "tensor",
-                    _dtype_name(data.dtype), tuple(int(s) for s in data.shape),
+                    self.rank,
+                    name,
+                    offset,
+                    view.nbytes,
+                    "",
+                    "tensor",
+                    _dtype_name(data.dtype),
+                    tuple(int(s) for s in data.shape),
                 )
             crc.update(view)
             out.append((item, dataclasses.replace(loc, crc32c=crc.b64)))
@@ -1034,12 +1036,14 @@ class ObjckptStorageReader(StorageReader):
             # A shard a committed manifest names is gone: the checkpoint is damaged.
             raise ChecksumMismatchError(
                 f"shard of committed step {self.step} is missing: {exc}",
-                key=key, location=self.store.location,
+                key=key,
+                location=self.store.location,
             ) from exc
         if len(data) != end - start:
             raise ChecksumMismatchError(
                 f"ranged read [{start}, {end}) returned {len(data)} bytes (shard truncated?)",
-                key=key, location=self.store.location,
+                key=key,
+                location=self.store.location,
             )
         return data
 
@@ -1052,7 +1056,8 @@ class ObjckptStorageReader(StorageReader):
             raise ChecksumMismatchError(
                 f"item {reqs[0].storage_index.fqn} bytes [{loc.start}, {loc.start + loc.length}) fail "
                 f"their CRC32C ({crc.b64} != {loc.crc32c})",
-                key=key, location=self.store.location,
+                key=key,
+                location=self.store.location,
             )
         for req in reqs:
             if req.type == LoadItemType.BYTE_IO:

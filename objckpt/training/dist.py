@@ -259,9 +259,7 @@ def decode_error(d: dict[str, Any]) -> Exception:
     from .. import errors
     from . import serialization, staging, state
 
-    allowed: dict[str, type[Exception]] = {
-        name: getattr(errors, name) for name in errors.__all__
-    }
+    allowed: dict[str, type[Exception]] = {name: getattr(errors, name) for name in errors.__all__}
     allowed["TrainingStateError"] = state.TrainingStateError
     allowed["SerializationError"] = serialization.SerializationError
     allowed["UnsupportedStateError"] = serialization.UnsupportedStateError

@@ -314,9 +314,12 @@ class CheckpointManager:
         if decision["skip"]:
             log.warning(
                 "save_async(step=%d) skipped: the previous save is still in flight on %s (policy='skip')",
-                step, "this rank" if busy else "another rank",
+                step,
+                "this rank" if busy else "another rank",
             )
-            return SaveHandle(step, skipped=True, reason="the previous save was still in flight (policy='skip')")
+            return SaveHandle(
+                step, skipped=True, reason="the previous save was still in flight (policy='skip')"
+            )
         attempt = decision["attempt"]
         plan = prep.pop("plan")
         handle = SaveHandle(step, attempt=attempt, staged_bytes=plan.nbytes)
@@ -381,7 +384,10 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - every rank raises the same error below
             prep_error = encode_error(exc)
         self.comm.agree(
-            {"step": step, "error": prep_error}, _decide_restore_handshake, "restore handshake", handshake=True
+            {"step": step, "error": prep_error},
+            _decide_restore_handshake,
+            "restore handshake",
+            handshake=True,
         )
 
         candidates: Iterator[Manifest] | None = None
@@ -409,12 +415,18 @@ class CheckpointManager:
             verdict = self.comm.agree(result, _decide_staging, f"restore(step={target}) verification")
             if verdict.get("ok"):
                 break
-            why = "; ".join(f"rank {r}: {m}" for r, m in sorted(verdict["damaged"].items(), key=lambda kv: int(kv[0])))
+            why = "; ".join(
+                f"rank {r}: {m}" for r, m in sorted(verdict["damaged"].items(), key=lambda kv: int(kv[0]))
+            )
             if step is not None:  # an explicit step: no fallback
-                raise NoCheckpointError(f"checkpoint step {target} under {self.store.location} is damaged: {why}")
+                raise NoCheckpointError(
+                    f"checkpoint step {target} under {self.store.location} is damaged: {why}"
+                )
             log.warning(
                 "checkpoint step %d under %s is damaged, falling back to an older one (all ranks): %s",
-                target, self.store.location, why,
+                target,
+                self.store.location,
+                why,
             )
             self.fallbacks.append((target, why))
             rejected.append(f"step {target}: {why}")
@@ -581,7 +593,9 @@ class CheckpointManager:
             "digests": prep.get("digests"),
             "attempt": layout.new_attempt_id() if self.rank == 0 else None,
         }
-        decision = self.comm.agree(hello, self._decide_save_handshake, f"{mode}(step={step}) handshake", handshake=True)
+        decision = self.comm.agree(
+            hello, self._decide_save_handshake, f"{mode}(step={step}) handshake", handshake=True
+        )
         if decision.get("pending"):
             if pending is not None:
                 assert self._last_async is not None
@@ -704,8 +718,14 @@ class CheckpointManager:
         try:
             assert handle.attempt is not None
             manifest = self._save_protocol(
-                self._bg_comm, step, handle.attempt, prep, metadata, started,
-                abandon=handle._abandon, stage_error=stage_error,
+                self._bg_comm,
+                step,
+                handle.attempt,
+                prep,
+                metadata,
+                started,
+                abandon=handle._abandon,
+                stage_error=stage_error,
             )
         except BaseException as exc:  # noqa: BLE001 - the handle's outcome; never lost
             if isinstance(exc, SaveAbandonedError):
@@ -728,6 +748,7 @@ class CheckpointManager:
         written = 0
         progress = None
         if abandon is not None:
+
             def progress(_: int) -> None:
                 # called after every uploaded part: raising here aborts the multipart upload
                 if abandon.is_set():
@@ -759,7 +780,9 @@ class CheckpointManager:
             if "error" in rep:
                 receipts[rank] = rep["error"]
             else:
-                receipts[rank] = [ShardReceipt.from_dict(d, key=f"rank {rank} receipt") for d in rep["receipts"]]
+                receipts[rank] = [
+                    ShardReceipt.from_dict(d, key=f"rank {rank} receipt") for d in rep["receipts"]
+                ]
         if self._coordinator is None:  # once: its construction checks (and warns about) the store
             self._coordinator = Coordinator(self.store, world_size=self.world_size)
         coordinator = self._coordinator
@@ -791,11 +814,15 @@ class CheckpointManager:
 
     def _retain(self) -> None:
         retain_after_commit(
-            self.store, keep_last=self.keep_last, keep_every=self.keep_every,
+            self.store,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
             grace_period=self.gc_grace_period,
         )
 
-    def _propose(self, step: int | None, candidates: Iterator[Manifest] | None, rejected: list[str]) -> dict[str, Any]:
+    def _propose(
+        self, step: int | None, candidates: Iterator[Manifest] | None, rejected: list[str]
+    ) -> dict[str, Any]:
         """Rank 0: the next checkpoint to try."""
         try:
             if step is not None:
@@ -816,7 +843,9 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - raised on every rank
             return {"error": encode_error(exc)}
 
-    def _stage(self, state: Mapping[str, Any], step: int, proposal: Mapping[str, Any]) -> tuple[dict[str, Any], Manifest]:
+    def _stage(
+        self, state: Mapping[str, Any], step: int, proposal: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], Manifest]:
         """Download, verify, decode and check one checkpoint; modifies nothing.
 
         Raises:
@@ -880,7 +909,9 @@ class CheckpointManager:
         if self.config_hash is not None and saved is not None and saved != self.config_hash:
             log.warning(
                 "restoring step %d written under config hash %s, this run's is %s",
-                manifest.step, saved, self.config_hash,
+                manifest.step,
+                saved,
+                self.config_hash,
             )
 
 

@@ -79,11 +79,27 @@ _PREFIX = struct.Struct("<8sQ")
 
 # Only these dtypes may be named by a header: an allow-list, never getattr(torch, <header text>).
 _TORCH_DTYPE_NAMES = (
-    "float64", "float32", "float16", "bfloat16",
-    "complex128", "complex64", "complex32",
-    "int64", "int32", "int16", "int8",
-    "uint64", "uint32", "uint16", "uint8", "bool",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "complex128",
+    "complex64",
+    "complex32",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
     "float4_e2m1fn_x2",
 )
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -327,13 +343,13 @@ def _fail(msg: str) -> SerializationError:
 def _parse_prefix(prefix: bytes, total_size: int | None) -> int:
     magic, header_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
-        hint = " (looks like a pickle / torch.save file, which objckpt never loads)" if (
-            magic[:1] == b"\x80" or magic[:2] == b"PK"
-        ) else ""
+        hint = (
+            " (looks like a pickle / torch.save file, which objckpt never loads)"
+            if (magic[:1] == b"\x80" or magic[:2] == b"PK")
+            else ""
+        )
         raise _fail(f"bad magic {magic!r}{hint}")
-    if header_len > MAX_HEADER_BYTES or (
-        total_size is not None and _PREFIX.size + header_len > total_size
-    ):
+    if header_len > MAX_HEADER_BYTES or (total_size is not None and _PREFIX.size + header_len > total_size):
         raise _fail(f"header length {header_len} exceeds the shard")
     return header_len
 
@@ -348,7 +364,9 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
     if header.get("format") != FORMAT_NAME:
         raise _fail(f"unknown format {header.get('format')!r}")
     if header.get("version") != FORMAT_VERSION:
-        raise _fail(f"unsupported format version {header.get('version')!r} (this objckpt reads {FORMAT_VERSION})")
+        raise _fail(
+            f"unsupported format version {header.get('version')!r} (this objckpt reads {FORMAT_VERSION})"
+        )
     for field in ("tree", "arrays", "data_size"):
         if field not in header:
             raise _fail(f"header lacks {field!r}")
@@ -455,7 +473,7 @@ class _Decoder:
             return out
         if len(n) != 1:
             raise _fail(f"unexpected keys {sorted(n)[:5]} in a node")
-        (tag, v), = n.items()
+        ((tag, v),) = n.items()
         if tag == "T":
             if not isinstance(v, list):
                 raise _fail("'T' node is not a list")

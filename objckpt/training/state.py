@@ -99,7 +99,9 @@ class TrainingProgress:
     def summary(self) -> dict[str, Any]:
         """The JSON summary recorded in the manifest."""
         out = self.state_dict()
-        out["extra"] = {k: v for k, v in self.extra.items() if isinstance(v, (int, float, str, bool)) or v is None}
+        out["extra"] = {
+            k: v for k, v in self.extra.items() if isinstance(v, (int, float, str, bool)) or v is None
+        }
         return out
 
 
@@ -115,7 +117,8 @@ def unwrap_module(module: torch.nn.Module) -> torch.nn.Module:
     while True:
         inner = getattr(module, "module", None)
         if isinstance(inner, torch.nn.Module) and type(module).__name__ in (
-            "DistributedDataParallel", "DataParallel"
+            "DistributedDataParallel",
+            "DataParallel",
         ):
             module = inner
             continue
@@ -265,9 +268,7 @@ def check_restorable(state: Mapping[str, Any], saved: Mapping[str, Any], *, rng:
     """
     missing = sorted(set(state) - set(saved))
     if missing:
-        raise TrainingStateError(
-            f"the checkpoint has no state for {missing} (it holds {sorted(saved)})"
-        )
+        raise TrainingStateError(f"the checkpoint has no state for {missing} (it holds {sorted(saved)})")
     for name, obj in state.items():
         kind = classify(name, obj)
         value = saved[name]
@@ -279,14 +280,18 @@ def check_restorable(state: Mapping[str, Any], saved: Mapping[str, Any], *, rng:
             if not isinstance(value, Mapping) or "type" not in value or "state" not in value:
                 raise TrainingStateError(f"state[{name!r}]: the checkpoint holds no generator state")
         elif kind == DICT and not isinstance(value, Mapping):
-            raise TrainingStateError(f"state[{name!r}]: the checkpoint holds a {type(value).__name__}, not a dict")
+            raise TrainingStateError(
+                f"state[{name!r}]: the checkpoint holds a {type(value).__name__}, not a dict"
+            )
     if rng is not None:
         _check_global_rng(rng)
 
 
 def _check_module(name: str, module: torch.nn.Module, saved: Any) -> None:
     if not isinstance(saved, Mapping):
-        raise TrainingStateError(f"state[{name!r}]: the checkpoint holds a {type(saved).__name__}, not a state dict")
+        raise TrainingStateError(
+            f"state[{name!r}]: the checkpoint holds a {type(saved).__name__}, not a state dict"
+        )
     live = module.state_dict()
     missing = [k for k in live if k not in saved]
     unexpected = [k for k in saved if k not in live]
@@ -338,8 +343,18 @@ def _check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Any) -> None:
         for sk, sv in pstate.items():
             if (
                 isinstance(sv, torch.Tensor)
-                and sk in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
-                           "acc_delta", "sum", "ax", "exp_inf")
+                and sk
+                in (
+                    "exp_avg",
+                    "exp_avg_sq",
+                    "max_exp_avg_sq",
+                    "momentum_buffer",
+                    "square_avg",
+                    "acc_delta",
+                    "sum",
+                    "ax",
+                    "exp_inf",
+                )
                 and tuple(sv.shape) != tuple(param.shape)
             ):
                 raise TrainingStateError(

@@ -135,8 +135,10 @@ def backend_s3_localstack() -> Iterator[Backend]:
 def backend_s3_env() -> Iterator[Backend]:
     uri = os.environ.get("OBJCKPT_TEST_S3_URI")
     if not uri:
-        pytest.skip("set OBJCKPT_TEST_S3_URI=s3://bucket/prefix (and OBJCKPT_TEST_S3_ENDPOINT_URL "
-                    "for a non-AWS server) to run the suite against that S3")
+        pytest.skip(
+            "set OBJCKPT_TEST_S3_URI=s3://bucket/prefix (and OBJCKPT_TEST_S3_ENDPOINT_URL "
+            "for a non-AWS server) to run the suite against that S3"
+        )
     pytest.importorskip("boto3", reason="boto3 not installed (pip install objckpt[s3])")
     from objckpt.store import open_store, parse_uri
 
@@ -151,7 +153,8 @@ def backend_s3_env() -> Iterator[Backend]:
             client.create_bucket(Bucket=parse_uri(uri).bucket)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") not in (
-                "BucketAlreadyOwnedByYou", "BucketAlreadyExists"
+                "BucketAlreadyOwnedByYou",
+                "BucketAlreadyExists",
             ):
                 raise
         finally:

@@ -30,7 +30,11 @@ def shard_bytes(step: int, rank: int, name: str, size: int = 3000) -> bytes:
 
 
 def commit_step(
-    store: Store, step: int, *, world_size: int = 2, names: tuple[str, ...] = ("model.pt", "optim.pt"),
+    store: Store,
+    step: int,
+    *,
+    world_size: int = 2,
+    names: tuple[str, ...] = ("model.pt", "optim.pt"),
     size: int = 3000,
 ) -> Manifest:
     """A real commit: every rank's ShardWriter, then Coordinator.commit (manifest + pointer)."""
@@ -42,7 +46,9 @@ def commit_step(
             writer.write(name, shard_bytes(step, rank, name, size))
         receipts[rank] = writer.receipts
     return Coordinator(store, world_size=world_size).commit(
-        step=step, attempt=attempt, receipts=receipts,
+        step=step,
+        attempt=attempt,
+        receipts=receipts,
         progress={"global_step": step, "epoch": step // 100},
         run={"config_hash": "cafef00d"},
     )
@@ -63,7 +69,12 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
     cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "objckpt.cli"]
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     proc = subprocess.run(
-        [*cmd, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO,
+        [*cmd, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=REPO,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
 

@@ -31,8 +31,20 @@ def _path(uri: str, key: str) -> Path:
 def test_help_documents_commands_and_exit_codes():
     r = run_cli("--help")
     assert r.rc == 0
-    for word in ("ls", "show", "latest", "verify", "gc", "cp", "plan", "demo", "exit codes",
-                 "verification or commit failure", "not found", "store or permission error"):
+    for word in (
+        "ls",
+        "show",
+        "latest",
+        "verify",
+        "gc",
+        "cp",
+        "plan",
+        "demo",
+        "exit codes",
+        "verification or commit failure",
+        "not found",
+        "store or permission error",
+    ):
         assert word in r.out
     for sub in ("ls", "show", "latest", "verify", "gc", "cp", "plan"):
         r = run_cli(sub, "--help")
@@ -350,7 +362,9 @@ def test_cp_missing_source_exits_3(file_root, tmp_path):
 def test_plan_reproduces_the_seed_figures():
     r = run_cli("plan", "--save", "12s")
     assert r.rc == 0, r.err
-    rows = {ln.split()[0]: ln.split() for ln in r.out.splitlines() if ln.strip().startswith(("5min", "20min"))}
+    rows = {
+        ln.split()[0]: ln.split() for ln in r.out.splitlines() if ln.strip().startswith(("5min", "20min"))
+    }
     assert rows["20min"][1:3] == ["1.0%", "~10min"]
     assert rows["5min"][1:3] == ["4.0%", "~2.5min"]
     assert "Daly" in r.out and "recommended" in r.out
@@ -365,8 +379,9 @@ def test_plan_reproduces_the_seed_figures():
 
 
 def test_plan_failure_rate_and_custom_intervals():
-    d = run_cli("plan", "--save", "30s", "--failures-per-day", "4", "--restart", "5m",
-                "--interval", "15m", "--json").json()
+    d = run_cli(
+        "plan", "--save", "30s", "--failures-per-day", "4", "--restart", "5m", "--interval", "15m", "--json"
+    ).json()
     assert d["mtbf_seconds"] == 21600
     plain = [r for r in d["rows"] if not r["label"]]
     assert [r["interval_s"] for r in plain] == [900]

@@ -57,8 +57,12 @@ def main(root: str, out: str) -> None:
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9,
+        }
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         return engine
 
@@ -102,9 +106,14 @@ def main(root: str, out: str) -> None:
         resumed = state(fresh)
         bad_resume = [k for k in expected if not torch.equal(expected[k], resumed[k])]
         report[f"zero{stage}"] = {
-            "after_save": after_save, "committed": committed, "local": local,
-            "load_path": load_path, "global_steps": fresh.global_steps,
-            "n_tensors": len(saved), "bad_load": bad_load, "bad_resume": bad_resume,
+            "after_save": after_save,
+            "committed": committed,
+            "local": local,
+            "load_path": load_path,
+            "global_steps": fresh.global_steps,
+            "n_tensors": len(saved),
+            "bad_load": bad_load,
+            "bad_resume": bad_resume,
         }
         assert not bad_load and not bad_resume, report
     with open(f"{out}/rank{rank}.json", "w") as fh:

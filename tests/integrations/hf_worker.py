@@ -61,10 +61,20 @@ def main(root_full: str, root_cut: str, out: str, mode: str) -> None:
 
     def run(name: str, root: str, stop_at: int | None = None, resume: bool = False) -> None:
         args = TrainingArguments(
-            output_dir=f"{out}/local-{name}", per_device_train_batch_size=4, max_steps=6,
-            save_strategy="steps", save_steps=3, learning_rate=0.05, lr_scheduler_type="linear",
-            logging_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", seed=0,
-            dataloader_num_workers=0, disable_tqdm=True,
+            output_dir=f"{out}/local-{name}",
+            per_device_train_batch_size=4,
+            max_steps=6,
+            save_strategy="steps",
+            save_steps=3,
+            learning_rate=0.05,
+            lr_scheduler_type="linear",
+            logging_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            ddp_backend="gloo",
+            seed=0,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
         )
         torch.manual_seed(0)
         callbacks: list = [ObjckptCallback(root, keep_last=5)]
@@ -77,9 +87,14 @@ def main(root_full: str, root_cut: str, out: str, mode: str) -> None:
             assert path is not None and path.endswith("checkpoint-3"), path
         trainer.train(resume_from_checkpoint=path)
         if args.process_index == 0:
-            torch.save({"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-                        "global_step": trainer.state.global_step, "resumed_from": path},
-                       f"{out}/{name}.pt")
+            torch.save(
+                {
+                    "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+                    "global_step": trainer.state.global_step,
+                    "resumed_from": path,
+                },
+                f"{out}/{name}.pt",
+            )
 
     if mode == "first":
         run("full", root_full)

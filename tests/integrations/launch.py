@@ -74,8 +74,12 @@ def run_ranks(
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", module, *args],
-                    cwd=REPO_ROOT, env=rank_env, stdout=fh, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
+                    cwd=REPO_ROOT,
+                    env=rank_env,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
                 )
             )
     deadline = time.monotonic() + timeout

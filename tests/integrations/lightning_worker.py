@@ -60,10 +60,16 @@ def main(root: str, out: str, mode: str) -> None:
     model = Tiny()
     io = ObjckptCheckpointIO(root)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, num_nodes=1, strategy="ddp", max_epochs=1 if mode == "first" else 2,
+        accelerator="cpu",
+        devices=2,
+        num_nodes=1,
+        strategy="ddp",
+        max_epochs=1 if mode == "first" else 2,
         plugins=[AsyncCheckpointIO(io) if mode == "first" else io],
         callbacks=[ModelCheckpoint(dirpath=f"{out}/ckpt-{mode}", save_top_k=-1, every_n_epochs=1)],
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=f"{out}/root-{mode}",
     )
     # 32 samples, batch 4 per rank, 2 ranks: 4 optimizer steps per epoch

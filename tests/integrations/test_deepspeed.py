@@ -36,8 +36,13 @@ def info(tag: str, save_dir: Path) -> SimpleNamespace:
 
 def model_states(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"module": {"w": torch.randn(3, 2, generator=g)}, "global_steps": seed, "dp_world_size": 1,
-            "param_shapes": [{"w": torch.Size([3, 2])}], "ds_version": "0.19.8"}
+    return {
+        "module": {"w": torch.randn(3, 2, generator=g)},
+        "global_steps": seed,
+        "dp_world_size": 1,
+        "param_shapes": [{"w": torch.Size([3, 2])}],
+        "ds_version": "0.19.8",
+    }
 
 
 def deepspeed_save(engine: ObjckptCheckpointEngine, save_dir: Path, tag: str, files: dict) -> None:
@@ -61,8 +66,13 @@ def test_step_from_tag() -> None:
 def test_save_commit_prepare_load_round_trip(tmp_path: Path) -> None:
     root = f"file://{tmp_path}/run"
     engine = ObjckptCheckpointEngine(root)
-    files = {"mp_rank_00_model_states.pt": model_states(5), "zero_pp_rank_0_mp_rank_00_optim_states.pt":
-             {"optimizer_state_dict": {"fp32": torch.arange(6.0)}, "ds_config": {"zero_optimization": {"stage": 1}}}}
+    files = {
+        "mp_rank_00_model_states.pt": model_states(5),
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": {
+            "optimizer_state_dict": {"fp32": torch.arange(6.0)},
+            "ds_config": {"zero_optimization": {"stage": 1}},
+        },
+    }
     deepspeed_save(engine, tmp_path / "save", "global_step5", files)
 
     m = Reader(open_store(root)).latest()
@@ -80,8 +90,10 @@ def test_save_commit_prepare_load_round_trip(tmp_path: Path) -> None:
         assert marker.exists() and marker.stat().st_size == 0  # DeepSpeed globs for these
         got = loader.load(str(marker), map_location=lambda storage, loc: storage)
         assert got.keys() == files[name].keys()
-    assert torch.equal(loader.load(str(load_dir / "global_step5" / "mp_rank_00_model_states.pt"))["module"]["w"],
-                       files["mp_rank_00_model_states.pt"]["module"]["w"])
+    assert torch.equal(
+        loader.load(str(load_dir / "global_step5" / "mp_rank_00_model_states.pt"))["module"]["w"],
+        files["mp_rank_00_model_states.pt"]["module"]["w"],
+    )
     with pytest.raises(FileNotFoundError):
         loader.load(str(load_dir / "global_step5" / "mp_rank_01_model_states.pt"))
     assert loader.prepare_load(str(load_dir), tag="global_step5") == "global_step5"
@@ -117,8 +129,12 @@ def test_tag_without_a_step_fails_the_save(tmp_path: Path) -> None:
     custom = ObjckptCheckpointEngine(f"file://{tmp_path}/run2", step_of_tag=lambda tag: 42)
     deepspeed_save(custom, tmp_path / "s", "best", {"a.pt": model_states(1)})
     assert Reader(custom.store).steps() == [42]
-    assert ObjckptCheckpointEngine(f"file://{tmp_path}/run2", step_of_tag=lambda tag: 42).prepare_load(
-        str(tmp_path / "l"), tag="best") == "best"
+    assert (
+        ObjckptCheckpointEngine(f"file://{tmp_path}/run2", step_of_tag=lambda tag: 42).prepare_load(
+            str(tmp_path / "l"), tag="best"
+        )
+        == "best"
+    )
 
 
 def test_decoupled_commits_at_commit_or_cleanup(tmp_path: Path) -> None:
@@ -199,16 +215,22 @@ def test_deepspeed_state_classes_are_allowed(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.skipif(not HAVE_DEEPSPEED,
-                    reason="deepspeed not installed (DS_BUILD_OPS=0 pip install 'deepspeed==0.19.*')")
+@pytest.mark.skipif(
+    not HAVE_DEEPSPEED, reason="deepspeed not installed (DS_BUILD_OPS=0 pip install 'deepspeed==0.19.*')"
+)
 def test_zero_1_and_2_save_load_on_two_gloo_ranks(tmp_path: Path) -> None:
     """Real DeepSpeed engines (ZeRO-1 synchronous, ZeRO-2 decoupled) on 2 CPU ranks: save through
     the store, load into fresh engines from an empty local folder, continue training: parameters
     and every rank's optimizer partition are bitwise equal to the uninterrupted run."""
     module = "tests.integrations.deepspeed_worker"
     started = time.monotonic()
-    codes = run_ranks(module, [f"file://{tmp_path}/run", str(tmp_path)], log_dir=tmp_path / "logs", timeout=300,
-                      env={"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"})
+    codes = run_ranks(
+        module,
+        [f"file://{tmp_path}/run", str(tmp_path)],
+        log_dir=tmp_path / "logs",
+        timeout=300,
+        env={"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"},
+    )
     assert codes == [0, 0], logs_of(module, tmp_path / "logs")
     import json
 

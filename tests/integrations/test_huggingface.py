@@ -122,7 +122,9 @@ def test_a_file_no_rank_uploads_fails_the_commit(tmp_path: Path) -> None:
     root = f"file://{tmp_path}/run"
     write_folder(tmp_path / "out", 3)
     cb = ObjckptCallback(root, owner_of=lambda rel, world: 1 if rel == "optimizer.pt" else 0)
-    with pytest.raises(CommitError, match="'optimizer.pt' is in its checkpoint folder but no rank uploaded it"):
+    with pytest.raises(
+        CommitError, match="'optimizer.pt' is in its checkpoint folder but no rank uploaded it"
+    ):
         on_save(cb, tmp_path / "out", 3)
     assert Reader(open_store(root)).steps() == []
 
@@ -163,7 +165,9 @@ def test_trainer_on_two_gloo_ranks_resumes_bitwise(tmp_path: Path) -> None:
     full, cut = f"file://{tmp_path}/full", f"file://{tmp_path}/cut"
     started = time.monotonic()
     for mode in ("first", "resume"):
-        codes = run_ranks(module, [full, cut, str(tmp_path), mode], log_dir=tmp_path / "logs" / mode, timeout=180)
+        codes = run_ranks(
+            module, [full, cut, str(tmp_path), mode], log_dir=tmp_path / "logs" / mode, timeout=180
+        )
         assert codes == [0, 0], logs_of(module, tmp_path / "logs" / mode)
         if mode == "first":
             assert Reader(open_store(full)).steps() == [3, 6]

@@ -34,14 +34,33 @@ def lightning_checkpoint(step: int, seed: int = 0) -> dict:
         "global_step": step,
         "pytorch-lightning_version": "2.6.6",
         "state_dict": sd,
-        "loops": {"fit_loop": {"state_dict": {}, "epoch_loop.batch_progress": {
-            "total": {"ready": step, "completed": step}, "is_last_batch": False}}},
-        "callbacks": {"ModelCheckpoint{'monitor': None}": {
-            "best_model_score": None, "best_model_path": "", "kth_value": torch.tensor(float("inf")),
-            "best_k_models": {}, "dirpath": "/tmp/x"}},
-        "optimizer_states": [{"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.ones(4, 3)}},
-                              "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1]}]}],
-        "lr_schedulers": [{"step_size": 3, "gamma": 0.5, "base_lrs": [0.1], "last_epoch": 1, "_last_lr": [0.1]}],
+        "loops": {
+            "fit_loop": {
+                "state_dict": {},
+                "epoch_loop.batch_progress": {
+                    "total": {"ready": step, "completed": step},
+                    "is_last_batch": False,
+                },
+            }
+        },
+        "callbacks": {
+            "ModelCheckpoint{'monitor': None}": {
+                "best_model_score": None,
+                "best_model_path": "",
+                "kth_value": torch.tensor(float("inf")),
+                "best_k_models": {},
+                "dirpath": "/tmp/x",
+            }
+        },
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.ones(4, 3)}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1]}],
+            }
+        ],
+        "lr_schedulers": [
+            {"step_size": 3, "gamma": 0.5, "base_lrs": [0.1], "last_epoch": 1, "_last_lr": [0.1]}
+        ],
         "hparams_name": "kwargs",
         "hyper_parameters": {"lr": 0.1, "layers": [4, 3]},
     }
@@ -157,7 +176,9 @@ def test_a_pickle_in_the_store_is_never_unpickled(root: str, tmp_path: Path) -> 
     marker = tmp_path / "pwned"
     payload = _pickle_that_touches(marker)
     store = open_store(root)
-    _common.commit_single_writer(store, 5, [(SHARD_NAME, payload)], metadata={"lightning": {"name": "x.ckpt"}})
+    _common.commit_single_writer(
+        store, 5, [(SHARD_NAME, payload)], metadata={"lightning": {"name": "x.ckpt"}}
+    )
     io = ObjckptCheckpointIO(root)
     with pytest.raises(NoCheckpointError, match="pickle"):
         io.load_checkpoint("epoch=0-step=5.ckpt", weights_only=False)

@@ -28,15 +28,24 @@ def shard_bytes(step: int, rank: int, name: str = "model.pt") -> bytes:
     return f"step={step} rank={rank} name={name} ".encode() * 3
 
 
-def write_rank(store: Store, step: int, attempt: str, rank: int, names: Iterable[str] = ("model.pt",)) -> list[ShardReceipt]:
+def write_rank(
+    store: Store, step: int, attempt: str, rank: int, names: Iterable[str] = ("model.pt",)
+) -> list[ShardReceipt]:
     w = ShardWriter(store, step=step, attempt=attempt, rank=rank)
     for name in names:
         w.write(name, shard_bytes(step, rank, name))
     return w.receipts
 
 
-def save(store: Store, step: int, *, world_size: int = 2, attempt: str | None = None,
-         coordinator_store: Store | None = None, **commit_kwargs: object) -> Manifest:
+def save(
+    store: Store,
+    step: int,
+    *,
+    world_size: int = 2,
+    attempt: str | None = None,
+    coordinator_store: Store | None = None,
+    **commit_kwargs: object,
+) -> Manifest:
     """Every rank writes one shard, then the coordinator commits (sequentially, one process)."""
     attempt = attempt or layout.new_attempt_id()
     receipts = {r: write_rank(store, step, attempt, r) for r in range(world_size)}
@@ -44,8 +53,15 @@ def save(store: Store, step: int, *, world_size: int = 2, attempt: str | None = 
     return coord.commit(step, attempt, receipts, progress={"global_step": step}, **commit_kwargs)
 
 
-def put_checkpoint_directly(store: Store, step: int, *, shards_per_rank: int, world_size: int,
-                            parent: int | None, payload: bytes = b"x") -> Manifest:
+def put_checkpoint_directly(
+    store: Store,
+    step: int,
+    *,
+    shards_per_rank: int,
+    world_size: int,
+    parent: int | None,
+    payload: bytes = b"x",
+) -> Manifest:
     """Build a committed checkpoint without the writer/coordinator (fast bulk state)."""
     attempt = layout.new_attempt_id()
     receipts = []
@@ -57,10 +73,12 @@ def put_checkpoint_directly(store: Store, step: int, *, shards_per_rank: int, wo
             key = layout.shard_key(step, attempt, rank, name)
             # the backend primitive directly: no retry machinery, so 64,000 shards take seconds
             meta = store._put(key, view, PutMode.CREATE, crc)
-            receipts.append(ShardReceipt(key=key, size=len(payload), version=meta.version,
-                                         crc32c=crc, rank=rank, name=name))
-    m = Manifest.create(step=step, attempt=attempt, world_size=world_size, shards=receipts,
-                        parent=parent)
+            receipts.append(
+                ShardReceipt(
+                    key=key, size=len(payload), version=meta.version, crc32c=crc, rank=rank, name=name
+                )
+            )
+    m = Manifest.create(step=step, attempt=attempt, world_size=world_size, shards=receipts, parent=parent)
     store.put(m.key, m.encode(), mode=PutMode.CREATE)
     return m
 
@@ -72,6 +90,7 @@ def set_pointer(store: Store, m: Manifest) -> None:
 def forge_manifest(m: Manifest, **changes: object) -> bytes:
     """``m``'s JSON with fields changed and the self-checksum recomputed (a well-formed lie)."""
     import hashlib
+
     from objckpt.manifest import canonical_json
 
     body = {**m.body(), **changes}

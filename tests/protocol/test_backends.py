@@ -132,5 +132,7 @@ def test_gc_collects_old_steps_orphans_and_stale_uploads(store, backend):
     run_gc(store, plan)
     reader = Reader(store)
     assert reader.steps() == [30] and reader.check(reader.load(30)) == []
-    assert {k.key.split("/")[1] for k in store.list("data/")} == {reader.load(30).attempt_prefix.split("/")[1]}
+    assert {k.key.split("/")[1] for k in store.list("data/")} == {
+        reader.load(30).attempt_prefix.split("/")[1]
+    }
     assert store.list_uploads() == []

@@ -84,7 +84,11 @@ def test_keep_last_every_and_pinned():
     assert sorted(d.step for d in plan.manifests) == [10, 40, 50, 70, 80]
     assert_no_manifest_points_at_missing_data(store)
     # the collected checkpoints' shards are gone too
-    assert all(not k.startswith(f"data/{s:020d}-") for s in (10, 40, 50, 70, 80) for k in (m.key for m in store.list("data/")))
+    assert all(
+        not k.startswith(f"data/{s:020d}-")
+        for s in (10, 40, 50, 70, 80)
+        for k in (m.key for m in store.list("data/"))
+    )
 
 
 def test_gc_never_collects_the_pointer_target_or_the_newest():
@@ -164,7 +168,9 @@ def test_a_crash_during_gc_leaves_no_manifest_pointing_at_missing_data(crash_on,
     # a later run, past the grace period, finishes the job
     collect(inner, RetentionPolicy(keep_last=1), now=clock.advance(GRACE + timedelta(seconds=1)))
     assert committed_steps(inner) == [30]
-    assert {k.key.split("/")[1] for k in inner.list("data/")} == {Reader(inner).load(30).attempt_prefix.split("/")[1]}
+    assert {k.key.split("/")[1] for k in inner.list("data/")} == {
+        Reader(inner).load(30).attempt_prefix.split("/")[1]
+    }
 
 
 def test_dry_run_plans_without_changing_anything():

@@ -28,16 +28,32 @@ ATTEMPT = "0123456789abcdef"
 OTHER = "fedcba9876543210"
 
 
-def receipt(rank: int, name: str = "model.pt", *, step: int = STEP, attempt: str = ATTEMPT, size: int = 5) -> ShardReceipt:
-    return ShardReceipt(key=layout.shard_key(step, attempt, rank, name), size=size, version="v1",
-                        crc32c=crc32c_b64(b"hello"), rank=rank, name=name, parts=1)
+def receipt(
+    rank: int, name: str = "model.pt", *, step: int = STEP, attempt: str = ATTEMPT, size: int = 5
+) -> ShardReceipt:
+    return ShardReceipt(
+        key=layout.shard_key(step, attempt, rank, name),
+        size=size,
+        version="v1",
+        crc32c=crc32c_b64(b"hello"),
+        rank=rank,
+        name=name,
+        parts=1,
+    )
 
 
 def manifest(**kw: object) -> Manifest:
-    args = dict(step=STEP, attempt=ATTEMPT, world_size=2, shards=[receipt(0), receipt(1)],
-                topology={"world_size": 2, "nodes": 1}, run={"config_hash": "abc", "dataset_snapshot": "ds-7",
-                                                            "software": {"torch": "2.4.1"}},
-                progress={"global_step": STEP, "epoch": 3}, parent=100, metadata={"note": "ü"})
+    args = dict(
+        step=STEP,
+        attempt=ATTEMPT,
+        world_size=2,
+        shards=[receipt(0), receipt(1)],
+        topology={"world_size": 2, "nodes": 1},
+        run={"config_hash": "abc", "dataset_snapshot": "ds-7", "software": {"torch": "2.4.1"}},
+        progress={"global_step": STEP, "epoch": 3},
+        parent=100,
+        metadata={"note": "ü"},
+    )
     args.update(kw)
     return Manifest.create(**args)  # type: ignore[arg-type]
 
@@ -77,8 +93,16 @@ def test_manifest_self_checksum_detects_any_changed_byte():
 
 
 def test_receipt_to_dict_from_dict_round_trip_and_sha256():
-    r = ShardReceipt(key=receipt(0).key, size=5, version="etag", crc32c=crc32c_b64(b"hello"),
-                     rank=0, name="model.pt", parts=2, sha256="a" * 64)
+    r = ShardReceipt(
+        key=receipt(0).key,
+        size=5,
+        version="etag",
+        crc32c=crc32c_b64(b"hello"),
+        rank=0,
+        name="model.pt",
+        parts=2,
+        sha256="a" * 64,
+    )
     assert ShardReceipt.from_dict(r.to_dict()) == r
     with pytest.raises(ManifestError):
         ShardReceipt.from_dict({**r.to_dict(), "size": -1}, key="k")
@@ -190,8 +214,11 @@ def test_pointer_round_trip_and_validation():
     p = Pointer.for_manifest(m)
     assert Pointer.decode(p.encode()) == p
     body = {k: v for k, v in json.loads(p.encode()).items() if k != "checksum"}
-    for change, match in (({"step": STEP + 1}, "not step"), ({"format_version": 9}, "format_version"),
-                          ({"manifest": "../x.json"}, "run root")):
+    for change, match in (
+        ({"step": STEP + 1}, "not step"),
+        ({"format_version": 9}, "format_version"),
+        ({"manifest": "../x.json"}, "run root"),
+    ):
         forged = {**body, **change}
         forged["checksum"] = hashlib.sha256(canonical_json(forged)).hexdigest()
         with pytest.raises(ManifestError, match=match):

@@ -27,8 +27,9 @@ def build_history(n_checkpoints: int, shards_per_rank: int, world_size: int = 4)
     store = memory_store()
     parent = None
     for i in range(n_checkpoints):
-        m = put_checkpoint_directly(store, (i + 1) * 10, shards_per_rank=shards_per_rank,
-                                    world_size=world_size, parent=parent)
+        m = put_checkpoint_directly(
+            store, (i + 1) * 10, shards_per_rank=shards_per_rank, world_size=world_size, parent=parent
+        )
         parent = m.step
     set_pointer(store, m)
     return store, m
@@ -77,7 +78,9 @@ def test_corrupt_pointer_falls_back_to_listing_manifests(caplog):
 def test_reader_rolls_forward_over_a_lost_pointer_update():
     inner = memory_store()
     save(inner, 10)
-    lossy = FaultInjectingStore(inner, [Fault(op="put", key=layout.POINTER_KEY, error=PermissionDeniedError, times=None)])
+    lossy = FaultInjectingStore(
+        inner, [Fault(op="put", key=layout.POINTER_KEY, error=PermissionDeniedError, times=None)]
+    )
     save(inner, 20, coordinator_store=lossy)
     save(inner, 30, coordinator_store=lossy)
     assert lossy.injected and Reader(inner).pointer().step == 10
@@ -176,8 +179,19 @@ def _malicious_variants(m: Manifest) -> dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("variant", ["dotdot", "absolute", "other-scheme", "outside-own-attempt",
-                                     "unknown-version", "bad-checksum", "not-json", "pickle"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "dotdot",
+        "absolute",
+        "other-scheme",
+        "outside-own-attempt",
+        "unknown-version",
+        "bad-checksum",
+        "not-json",
+        "pickle",
+    ],
+)
 def test_malicious_newest_manifest_is_rejected_and_the_parent_used(variant, caplog):
     store = memory_store()
     parent = save(store, 10)

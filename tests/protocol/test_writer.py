@@ -128,7 +128,11 @@ def test_failed_upload_is_aborted_and_leaves_nothing_visible():
 
 def test_transient_errors_are_retried_and_the_shard_completes():
     inner = memory_store()
-    faults = [Fault(op="upload_part", times=2), Fault(op="complete_upload", times=1), Fault(op="put", times=1)]
+    faults = [
+        Fault(op="upload_part", times=2),
+        Fault(op="complete_upload", times=1),
+        Fault(op="put", times=1),
+    ]
     store = FaultInjectingStore(inner, faults)
     w = ShardWriter(store, step=STEP, attempt=ATTEMPT, rank=0, part_size=4)
     big = w.write("big.bin", b"0123456789abcdef")

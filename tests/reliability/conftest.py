@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+
 import pytest
 
 from .harness import Leg, file_leg, localstack_unavailable, s3_leg

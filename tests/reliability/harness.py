@@ -47,8 +47,15 @@ def after_grace() -> datetime:
 Payloads = dict[int, dict[str, bytes]]  # rank -> shard name -> bytes
 
 
-def payloads(step: int, world_size: int, *, small: int = 3 * KiB, big: int = 0,
-             big_ranks: tuple[int, ...] = (0,), salt: str = "") -> Payloads:
+def payloads(
+    step: int,
+    world_size: int,
+    *,
+    small: int = 3 * KiB,
+    big: int = 0,
+    big_ranks: tuple[int, ...] = (0,),
+    salt: str = "",
+) -> Payloads:
     """Deterministic shard contents of ``step``: every rank a small ``meta.bin`` and
     ``state.bin``; ranks in ``big_ranks`` also a ``big.bin`` of ``big`` bytes (multipart when
     ``big`` exceeds the store's part size). Distinct per (step, rank, name, salt), so a shard of
@@ -67,8 +74,9 @@ def payloads(step: int, world_size: int, *, small: int = 3 * KiB, big: int = 0,
     return out
 
 
-def write_rank(store: Store, step: int, attempt: str, rank: int, shards: Mapping[str, bytes],
-               *, chunk: int = 1 * MiB) -> list[Any]:
+def write_rank(
+    store: Store, step: int, attempt: str, rank: int, shards: Mapping[str, bytes], *, chunk: int = 1 * MiB
+) -> list[Any]:
     """One rank's part of a save; big shards are fed as an iterable of chunks (streamed)."""
     writer = ShardWriter(store, step=step, attempt=attempt, rank=rank)
     for name in sorted(shards, key=lambda n: (n == "big.bin", n)):  # the big one last
@@ -80,8 +88,15 @@ def write_rank(store: Store, step: int, attempt: str, rank: int, shards: Mapping
     return writer.receipts
 
 
-def save(store: Store, step: int, p: Payloads, *, attempt: str | None = None,
-         threads: bool = True, coordinator: Coordinator | None = None) -> Manifest:
+def save(
+    store: Store,
+    step: int,
+    p: Payloads,
+    *,
+    attempt: str | None = None,
+    threads: bool = True,
+    coordinator: Coordinator | None = None,
+) -> Manifest:
     """A whole save: every rank writes (one thread per rank), rank 0 commits.
 
     A rank's exception travels to the coordinator as its report, as in the torch layer, so a
@@ -107,8 +122,9 @@ def save(store: Store, step: int, p: Payloads, *, attempt: str | None = None,
         for r in range(world):
             run(r)
     coord = coordinator or Coordinator(store, world_size=world)
-    return coord.commit(step, attempt, reports, progress={"global_step": step},
-                        run={"config_hash": "reliability"})
+    return coord.commit(
+        step, attempt, reports, progress={"global_step": step}, run={"config_hash": "reliability"}
+    )
 
 
 @dataclass

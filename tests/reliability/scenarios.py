@@ -47,6 +47,7 @@ def crash_sizes(leg: Leg) -> tuple[int, int]:
     part = leg.min_part_size
     return part, 2 * part + part // 2 + 123
 
+
 CRASH_POINTS = (
     "mid_part_upload",
     "before_complete",
@@ -112,11 +113,18 @@ def run_worker(args: list[str], point: str, timeout: float = 180.0) -> tuple[int
     """Run ``crash_worker`` as a real subprocess; returns (returncode, its report, its stderr)."""
     with tempfile.TemporaryDirectory(prefix="objckpt-crash-") as tmp:
         report_path = os.path.join(tmp, "report.json")
-        env = {**os.environ, "OBJCKPT_CRASH_AT": point,
-               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {
+            **os.environ,
+            "OBJCKPT_CRASH_AT": point,
+            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
         proc = subprocess.run(
             [sys.executable, "-m", "tests.reliability.crash_worker", *args, report_path],
-            cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True,
+            cwd=REPO,
+            env=env,
+            timeout=timeout,
+            capture_output=True,
+            text=True,
         )
         report: dict[str, Any] = {}
         if os.path.exists(report_path):
@@ -151,9 +159,7 @@ def crash_scenario(leg: Leg, point: str) -> Outcome:
         else:
             want10 = payloads(10, CRASH_WORLD, big=big)
             manifests = {10: save(store, 10, want10)}
-            rc, report, err = run_worker(
-                ["save", uri, "20", str(CRASH_WORLD), str(big)], point
-            )
+            rc, report, err = run_worker(["save", uri, "20", str(CRASH_WORLD), str(big)], point)
             if point == "after_manifest":
                 expected = 20
                 want = payloads(20, CRASH_WORLD, big=big, big_ranks=tuple(range(CRASH_WORLD)))
@@ -213,7 +219,9 @@ def crash_scenario(leg: Leg, point: str) -> Outcome:
             run_gc(fresh, plan)
             swept = all(not attempt_keys(fresh, s, a) for s, a in doomed) and not _uploads(fresh)
             out.orphans_swept = swept
-            assert swept, f"left after GC: {[attempt_keys(fresh, s, a) for s, a in doomed]}, uploads {_uploads(fresh)}"
+            assert swept, (
+                f"left after GC: {[attempt_keys(fresh, s, a) for s, a in doomed]}, uploads {_uploads(fresh)}"
+            )
             again = restore(fresh)
             assert again.step == expected and again.shards == want, "GC damaged the committed state"
             out.retries = retries[0] + retries_fresh[0]
@@ -269,7 +277,9 @@ def corruption_scenario(leg: Leg, kind: str) -> Outcome:
         elif kind == "swap_manifest":
             store.put(manifest_key(20), store.get(manifest_key(10)), mode=PutMode.OVERWRITE)
         elif kind == "corrupt_latest":
-            store.put(POINTER_KEY, b'{"format": "objckpt.pointer", "step": 20, "garbage', mode=PutMode.OVERWRITE)
+            store.put(
+                POINTER_KEY, b'{"format": "objckpt.pointer", "step": 20, "garbage', mode=PutMode.OVERWRITE
+            )
         else:
             raise ValueError(kind)
 
@@ -327,28 +337,41 @@ class ChaosLeg:
 
 
 @contextlib.contextmanager
-def chaos_leg(name: str, server: Any, bucket: str, *, seed: int,
-              fault_rate: float = CHAOS_FAULT_RATE) -> Iterator[ChaosLeg]:
+def chaos_leg(
+    name: str, server: Any, bucket: str, *, seed: int, fault_rate: float = CHAOS_FAULT_RATE
+) -> Iterator[ChaosLeg]:
     """``name`` is ``s3`` (``server``: a MotoServer) or ``gcs`` (a FakeGcsServer); ``bucket``
     must exist. The proxy stops when the block ends."""
     from objckpt.testing.chaos_proxy import ChaosProxy
 
-    with ChaosProxy(server.endpoint_url, fault_rate=fault_rate, seed=seed,
-                    flavor="s3" if name == "s3" else "gcs", latency=(0.01, 0.1)) as proxy:
+    with ChaosProxy(
+        server.endpoint_url,
+        fault_rate=fault_rate,
+        seed=seed,
+        flavor="s3" if name == "s3" else "gcs",
+        latency=(0.01, 0.1),
+    ) as proxy:
         if name == "s3":
             opts = {**server.store_options, "endpoint_url": proxy.endpoint_url}
             yield ChaosLeg(
-                "s3", proxy,
-                lambda prefix: open_store(f"s3://{bucket}/{prefix}", **opts, part_size=CHAOS_PART,
-                                          retry=FAST_RETRY),
+                "s3",
+                proxy,
+                lambda prefix: open_store(
+                    f"s3://{bucket}/{prefix}", **opts, part_size=CHAOS_PART, retry=FAST_RETRY
+                ),
                 small_put=("PUT", None),
                 complete=("POST", "uploadId="),
             )
         else:
             yield ChaosLeg(
-                "gcs", proxy,
-                lambda prefix: open_store(f"gs://{bucket}/{prefix}", endpoint_url=proxy.endpoint_url,
-                                          part_size=CHAOS_PART, retry=FAST_RETRY),
+                "gcs",
+                proxy,
+                lambda prefix: open_store(
+                    f"gs://{bucket}/{prefix}",
+                    endpoint_url=proxy.endpoint_url,
+                    part_size=CHAOS_PART,
+                    retry=FAST_RETRY,
+                ),
                 small_put=("POST", "uploadType=multipart"),
                 complete=("POST", "/compose"),
             )
@@ -376,17 +399,26 @@ def chaos_multipart(leg: ChaosLeg) -> Outcome:
     data = random.Random(7).randbytes(3 * CHAOS_PART)
     # Make sure the interesting cases fire at least once on top of the random ones: a part whose
     # response is lost (uploaded twice), and a download cut mid-body (get_stream must resume).
-    leg.proxy.inject("reset", phase="after", method="PUT" if leg.name == "s3" else "POST",
-                     path_contains="partNumber=2" if leg.name == "s3" else "upload")
-    leg.proxy.inject("truncate", phase="after", method="GET",
-                     path_contains="alt=media" if leg.name == "gcs" else "/big")
+    leg.proxy.inject(
+        "reset",
+        phase="after",
+        method="PUT" if leg.name == "s3" else "POST",
+        path_contains="partNumber=2" if leg.name == "s3" else "upload",
+    )
+    leg.proxy.inject(
+        "truncate", phase="after", method="GET", path_contains="alt=media" if leg.name == "gcs" else "/big"
+    )
     try:
         meta = store.put_stream("big", _chunks(data))
         assert meta.size == len(data) and store.head("big").size == len(data)
         equal = store.get("big") == data
         streamed = b"".join(store.get_stream("big", expected_size=len(data), expected_crc32c=meta.crc32c))
         equal = equal and streamed == data
-        equal = equal and store.get("big", byte_range=(CHAOS_PART - 3, CHAOS_PART + 5)) == data[CHAOS_PART - 3 : CHAOS_PART + 5]
+        equal = (
+            equal
+            and store.get("big", byte_range=(CHAOS_PART - 3, CHAOS_PART + 5))
+            == data[CHAOS_PART - 3 : CHAOS_PART + 5]
+        )
         assert equal, "bytes differ after the round trip"
         if leg.name == "s3":
             # completed: nothing pending (GCS may leave a temporary part whose delete failed
@@ -425,8 +457,9 @@ def chaos_protocol(leg: ChaosLeg) -> Outcome:
         store.close()
     assert leg.proxy.faults > 0, leg.proxy.stats
     assert len(leg.retries) > 0, (leg.proxy.stats, leg.proxy.injections)
-    return _chaos_outcome(leg, "chaos:save+commit+restore, 4 ranks", restored_step=20,
-                          expected_step=20, bytes_equal=equal)
+    return _chaos_outcome(
+        leg, "chaos:save+commit+restore, 4 ranks", restored_step=20, expected_step=20, bytes_equal=equal
+    )
 
 
 def chaos_lost_manifest(leg: ChaosLeg, kind: str) -> Outcome:
@@ -447,8 +480,9 @@ def chaos_lost_manifest(leg: ChaosLeg, kind: str) -> Outcome:
         reports = {r: write_rank(store, 30, attempt, r, p[r]) for r in p}
         method, fragment = leg.small_put
         # After the shards, the manifest is the next small create-if-absent write.
-        leg.proxy.inject(kind, phase="after", method=method,
-                         path_contains="/manifests/" if leg.name == "s3" else fragment)
+        leg.proxy.inject(
+            kind, phase="after", method=method, path_contains="/manifests/" if leg.name == "s3" else fragment
+        )
         m = Coordinator(store, world_size=2).commit(30, attempt, reports)
         assert leg.proxy.pending_injections() == 0 and leg.proxy.stats[f"{kind}:after"] == 1
         assert m.attempt == attempt and m.step == 30
@@ -462,8 +496,9 @@ def chaos_lost_manifest(leg: ChaosLeg, kind: str) -> Outcome:
         leg.proxy.set_fault_rate(CHAOS_FAULT_RATE)
         store.close()
     assert len(leg.retries) > 0
-    return _chaos_outcome(leg, f"chaos:lost manifest response ({kind})", restored_step=30,
-                          expected_step=30, bytes_equal=equal)
+    return _chaos_outcome(
+        leg, f"chaos:lost manifest response ({kind})", restored_step=30, expected_step=30, bytes_equal=equal
+    )
 
 
 def chaos_lost_shard(leg: ChaosLeg, which: str) -> Outcome:
@@ -488,8 +523,9 @@ def chaos_lost_shard(leg: ChaosLeg, which: str) -> Outcome:
         store.close()
     assert len(leg.retries) > 0
     label = "single PUT" if which == "small_put" else "multipart completion"
-    return _chaos_outcome(leg, f"chaos:lost shard response ({label})", restored_step=40,
-                          expected_step=40, bytes_equal=equal)
+    return _chaos_outcome(
+        leg, f"chaos:lost shard response ({label})", restored_step=40, expected_step=40, bytes_equal=equal
+    )
 
 
 def chaos_read_path(leg: ChaosLeg, rate: float = 0.25) -> Outcome:
@@ -511,5 +547,6 @@ def chaos_read_path(leg: ChaosLeg, rate: float = 0.25) -> Outcome:
         leg.proxy.set_fault_rate(CHAOS_FAULT_RATE)
         store.close()
     assert leg.proxy.faults > 0 and len(leg.retries) > 0
-    return _chaos_outcome(leg, f"chaos:restore x3 at {rate:.0%} faults", restored_step=50,
-                          expected_step=50, bytes_equal=equal)
+    return _chaos_outcome(
+        leg, f"chaos:restore x3 at {rate:.0%} faults", restored_step=50, expected_step=50, bytes_equal=equal
+    )

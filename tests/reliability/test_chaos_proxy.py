@@ -50,8 +50,13 @@ class _Upstream:
                         self.rfile.readline()
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-            def _reply(self, status: int, body: bytes, ctype: str = "application/json",
-                       extra: dict[str, str] | None = None) -> None:
+            def _reply(
+                self,
+                status: int,
+                body: bytes,
+                ctype: str = "application/json",
+                extra: dict[str, str] | None = None,
+            ) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
@@ -66,14 +71,18 @@ class _Upstream:
                 with owner.lock:
                     owner.objects[self.path] = data
                     owner.applied.append(("PUT", self.path))
-                self._reply(200, json.dumps({"sha": hashlib.sha256(data).hexdigest(),
-                                             "len": len(data)}).encode())
+                self._reply(
+                    200, json.dumps({"sha": hashlib.sha256(data).hexdigest(), "len": len(data)}).encode()
+                )
 
             def do_POST(self) -> None:  # a resumable-upload start: Location names the upstream
                 self._body()
                 port = self.server.server_address[1]
-                self._reply(200, json.dumps({"mediaLink": f"http://127.0.0.1:{port}/media/x"}).encode(),
-                            extra={"Location": f"http://127.0.0.1:{port}/upload?id=1"})
+                self._reply(
+                    200,
+                    json.dumps({"mediaLink": f"http://127.0.0.1:{port}/media/x"}).encode(),
+                    extra={"Location": f"http://127.0.0.1:{port}/upload?id=1"},
+                )
 
             def do_GET(self) -> None:
                 if self.path.startswith("/stream/"):  # chunked response of N bytes
@@ -215,7 +224,10 @@ def test_each_fault_breaks_the_response_in_its_phase(upstream: _Upstream, kind: 
     assert applied == (phase == "after")
     if kind in ("slowdown", "internal"):
         status, data = outcome  # type: ignore[misc]
-        code = {"slowdown": (503, b"<Code>SlowDown</Code>"), "internal": (500, b"<Code>InternalError</Code>")}[kind]
+        code = {
+            "slowdown": (503, b"<Code>SlowDown</Code>"),
+            "internal": (500, b"<Code>InternalError</Code>"),
+        }[kind]
         assert status == code[0] and code[1] in data
     else:
         # never a clean, complete success: a reset or a short read, whatever the client sees first
@@ -267,8 +279,13 @@ def test_seeded_decisions_repeat(upstream: _Upstream) -> None:
     """Same seed, same request order -> the same faults (so a failing run can be replayed)."""
 
     def run(seed: int) -> list[tuple[str, str, str]]:
-        with ChaosProxy(upstream.url, fault_rate=0.4, seed=seed,
-                        kinds=("slowdown", "internal", "latency"), latency=(0.0, 0.001)) as proxy:
+        with ChaosProxy(
+            upstream.url,
+            fault_rate=0.4,
+            seed=seed,
+            kinds=("slowdown", "internal", "latency"),
+            latency=(0.0, 0.001),
+        ) as proxy:
             conn = _conn(proxy)
             for i in range(40):
                 _put(conn, f"/o/s{i}", b"x")

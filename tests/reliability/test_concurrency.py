@@ -125,10 +125,12 @@ def test_racing_coordinators_leave_the_pointer_on_the_newest_step(mleg: Leg) -> 
                 prepared[step] = (att, {0: write_rank(store, step, att, 0, p[0])})
             stores = [open_store(uri, retry=FAST_RETRY) for _ in steps]
             try:
-                results = _race([
-                    lambda s=s, st=st: Coordinator(st, world_size=1).commit(s, *prepared[s])
-                    for s, st in zip(steps, stores)
-                ])
+                results = _race(
+                    [
+                        lambda s=s, st=st: Coordinator(st, world_size=1).commit(s, *prepared[s])
+                        for s, st in zip(steps, stores)
+                    ]
+                )
             finally:
                 for st in stores:
                     st.close()
@@ -157,11 +159,16 @@ def test_gc_leaves_a_save_in_flight_alone(mleg: Leg, request: pytest.FixtureRequ
     """GC (grace period as configured, real clock) while a save's shards and its pending multipart
     upload exist but no manifest does: nothing of that save is touched, and it then commits."""
     if mleg.name == "s3_moto":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "moto's ListMultipartUploads reports every upload as initiated 2010-11-10T20:48:33Z "
-            "(a constant in its response template), so any grace period has passed and GC "
-            "aborts the in-flight upload; real S3 and LocalStack report the real time"
-        )))
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "moto's ListMultipartUploads reports every upload as initiated 2010-11-10T20:48:33Z "
+                    "(a constant in its response template), so any grace period has passed and GC "
+                    "aborts the in-flight upload; real S3 and LocalStack report the real time"
+                ),
+            )
+        )
     part = mleg.min_part_size
     uri, store = mleg.new_root(part_size=part)
     holding = _Holding(open_store(uri, retry=FAST_RETRY))

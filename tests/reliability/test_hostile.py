@@ -174,13 +174,16 @@ def test_unknown_format_version(committed: Any) -> None:
     _restore_expecting_parent(uri, "format_version 99")
 
 
-@pytest.mark.parametrize("bad_key", [
-    "../../escape/data/x",
-    "/etc/passwd",
-    "s3://other-bucket/run/data/x",
-    "data/00000000000000000020-0000000000000000/../../../x",
-    "data\\..\\..\\x",
-])
+@pytest.mark.parametrize(
+    "bad_key",
+    [
+        "../../escape/data/x",
+        "/etc/passwd",
+        "s3://other-bucket/run/data/x",
+        "data/00000000000000000020-0000000000000000/../../../x",
+        "data\\..\\..\\x",
+    ],
+)
 def test_shard_keys_escaping_the_run_root(committed: Any, bad_key: str) -> None:
     leg, uri, store, ms = committed
     store.put(manifest_key(20), _forge(ms[20], **{"shards.0.key": bad_key}), mode=PutMode.OVERWRITE)
@@ -193,14 +196,17 @@ def test_shard_keys_escaping_the_run_root(committed: Any, bad_key: str) -> None:
         ShardReceipt(key=bad_key, size=1, version="v", crc32c="AAAAAA==", rank=0, name="x")
 
 
-@pytest.mark.parametrize("field,value,reason", [
-    ("shards.0.size", 2**62, "size"),
-    ("shards.0.size", -1, "size"),
-    ("shards.0.size", 10**12, "receipt says"),  # in range, but not what the store holds
-    ("shards.0.parts", 10**9, "parts"),
-    ("world_size", 10**9, "world_size"),
-    ("step", 10**21, "step"),
-])
+@pytest.mark.parametrize(
+    "field,value,reason",
+    [
+        ("shards.0.size", 2**62, "size"),
+        ("shards.0.size", -1, "size"),
+        ("shards.0.size", 10**12, "receipt says"),  # in range, but not what the store holds
+        ("shards.0.parts", 10**9, "parts"),
+        ("world_size", 10**9, "world_size"),
+        ("step", 10**21, "step"),
+    ],
+)
 def test_absurd_sizes(committed: Any, field: str, value: int, reason: str) -> None:
     leg, uri, store, ms = committed
     store.put(manifest_key(20), _forge(ms[20], **{field: value}), mode=PutMode.OVERWRITE)
@@ -220,8 +226,12 @@ def _small_disk(path: str, size: str = "1m") -> Iterator[bool]:
     if os.geteuid() != 0:
         yield False
         return
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if r.returncode != 0:
         yield False
         return
@@ -255,7 +265,11 @@ def test_full_disk_fails_the_save_and_keeps_the_last_checkpoint(
                 monkeypatch.setattr(os, "pwrite", real[0])
                 monkeypatch.setattr(os, "write", real[1])
             assert any("full" in why.lower() for why in info.value.failures.values()), info.value
-            big_keys = [k.key for k in store.list(f"data/00000000000000000020-{attempt}/") if k.key.endswith("big.bin")]
+            big_keys = [
+                k.key
+                for k in store.list(f"data/00000000000000000020-{attempt}/")
+                if k.key.endswith("big.bin")
+            ]
             assert big_keys == [], "a partial shard became visible"
             assert store.list_uploads("") == [], "the failed upload left its staging file"
             assert not list(store.list(manifest_key(20)))

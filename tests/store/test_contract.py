@@ -70,9 +70,7 @@ def test_put_create_twice_raises_already_exists_and_keeps_original(store):
     assert store.head("obj").version == first.version
 
 
-def test_put_stream_multipart_create_twice_raises_already_exists_and_keeps_original(
-    request, backend, store
-):
+def test_put_stream_multipart_create_twice_raises_already_exists_and_keeps_original(request, backend, store):
     expect_gap(request, backend, GAP_CONDITIONAL_COMPLETE)
     original = _payload(BIG, seed=1)
     store.put_stream("obj", original, part_size=PART)

@@ -73,7 +73,8 @@ def gstore(make_store) -> GCSStore:
 def raw(gcs_endpoint: str) -> storage.Client:
     """A plain SDK client, to see what is really in the bucket."""
     return storage.Client(
-        project="objckpt-test", credentials=AnonymousCredentials(),
+        project="objckpt-test",
+        credentials=AnonymousCredentials(),
         client_options={"api_endpoint": gcs_endpoint},
     )
 
@@ -81,7 +82,7 @@ def raw(gcs_endpoint: str) -> storage.Client:
 def raw_names(raw: storage.Client, store: GCSStore) -> list[str]:
     """Every object under the store's prefix, hidden ones included, relative to it."""
     root = store.prefix + "/"
-    return sorted(b.name[len(root):] for b in raw.list_blobs(store.bucket_name, prefix=root))
+    return sorted(b.name[len(root) :] for b in raw.list_blobs(store.bucket_name, prefix=root))
 
 
 def _payload(size: int, seed: int = 0) -> bytes:
@@ -123,8 +124,7 @@ class HttpSpy:
             with self.lock:
                 self.calls.append((method, plain))
                 rule = next(
-                    (r for r in self.rules
-                     if r.times > 0 and r.method == method and re.search(r.url, plain)),
+                    (r for r in self.rules if r.times > 0 and r.method == method and re.search(r.url, plain)),
                     None,
                 )
                 if rule is not None and rule.skip > 0:
@@ -198,8 +198,11 @@ def test_missing_bucket_is_not_found_naming_the_bucket(backend_gcs):
 
 
 def test_missing_object_is_not_found_not_a_missing_bucket(gstore):
-    for call in (lambda: gstore.head("nope"), lambda: gstore.get("nope"),
-                 lambda: b"".join(gstore.get_stream("nope"))):
+    for call in (
+        lambda: gstore.head("nope"),
+        lambda: gstore.get("nope"),
+        lambda: b"".join(gstore.get_stream("nope")),
+    ):
         with pytest.raises(NotFoundError) as info:
             call()
         assert "no such object" in str(info.value)
@@ -222,17 +225,30 @@ def test_412_maps_to_already_exists_or_precondition_failed_keeping_the_cause(gst
 
 @pytest.mark.parametrize(
     "status, expected",
-    [(503, TransientError), (500, TransientError), (502, TransientError), (504, TransientError),
-     (429, TransientError), (408, TransientError), (401, PermissionDeniedError),
-     (403, PermissionDeniedError), (400, StoreError)],
+    [
+        (503, TransientError),
+        (500, TransientError),
+        (502, TransientError),
+        (504, TransientError),
+        (429, TransientError),
+        (408, TransientError),
+        (401, PermissionDeniedError),
+        (403, PermissionDeniedError),
+        (400, StoreError),
+    ],
 )
 @pytest.mark.parametrize("op", ["head", "put", "get", "list", "compose"])
 def test_http_status_maps_to_the_error_class(make_store, spy, op, status, expected):
     store = make_store(retry=ONCE)
     store.put("obj", b"data")  # before the spy: something to read
     recorder = spy(store)
-    pattern = {"head": r"/o/[^?]*obj\?", "put": r"uploadType=multipart", "get": r"alt=media",
-               "list": r"/o\?", "compose": r"/compose"}[op]
+    pattern = {
+        "head": r"/o/[^?]*obj\?",
+        "put": r"uploadType=multipart",
+        "get": r"alt=media",
+        "list": r"/o\?",
+        "compose": r"/compose",
+    }[op]
     method = {"head": "GET", "put": "POST", "get": "GET", "list": "GET", "compose": "POST"}[op]
     recorder.add(Rule(method, pattern, "status", status=status))
     call = {
@@ -290,8 +306,11 @@ def test_error_messages_never_carry_the_access_token(backend_gcs, gcs_endpoint):
 
     token = "ya29.SECRET-TOKEN-do-not-log"
     store = GCSStore(
-        backend_gcs.uri_for("x").split("/")[2], f"t-{uuid.uuid4().hex[:8]}",
-        endpoint_url=gcs_endpoint, credentials=Credentials(token=token), retry=ONCE,
+        backend_gcs.uri_for("x").split("/")[2],
+        f"t-{uuid.uuid4().hex[:8]}",
+        endpoint_url=gcs_endpoint,
+        credentials=Credentials(token=token),
+        retry=ONCE,
     )
     try:
         store.put("k", b"1", mode=PutMode.CREATE)
@@ -447,8 +466,9 @@ def test_put_with_wrong_crc32c_is_rejected_and_leaves_no_object(gstore):
 
 def test_a_staged_object_that_does_not_match_is_never_published(gstore, raw):
     handle = gstore._create_upload("k", PutMode.CREATE)
-    parts = [gstore._upload_part(handle, n, (n - 1) * 3, memoryview(b"abc"), crc32c_b64(b"abc"))
-             for n in (1, 2)]
+    parts = [
+        gstore._upload_part(handle, n, (n - 1) * 3, memoryview(b"abc"), crc32c_b64(b"abc")) for n in (1, 2)
+    ]
     with pytest.raises(StoreError, match="nothing was published"):
         gstore._complete_upload(handle, parts, 6, crc32c_b64(b"abcabX"))
     with pytest.raises(NotFoundError):
@@ -544,8 +564,9 @@ def test_get_stream_reads_ranges_and_resumes_after_a_reset(make_store, spy):
     store.add_retry_listener(lambda exc, attempt: retried.append(exc))
     recorder = spy(store)
     # the first range goes through, the second is cut short: the stream resumes at 1,000
-    recorder.add(Rule("GET", r"alt=media", "raise", skip=1,
-                      error=requests.exceptions.ChunkedEncodingError("cut")))
+    recorder.add(
+        Rule("GET", r"alt=media", "raise", skip=1, error=requests.exceptions.ChunkedEncodingError("cut"))
+    )
     chunks = list(store.get_stream("s", expected_size=len(data), expected_crc32c=meta.crc32c))
     assert b"".join(chunks) == data
     assert [len(c) for c in chunks] == [1000, 1000, 1000, 1000, 500]
@@ -568,12 +589,19 @@ def test_get_range_past_the_end_is_empty(gstore):
 
 def test_uri_options_and_unknown_ones(gcs_endpoint):
     q = urllib.parse.quote(gcs_endpoint, safe="")
-    store = open_store(
-        f"gs://some-bucket/run/a?endpoint_url={q}&timeout=5&read_chunk=1KiB&part_size=2MiB"
-    )
+    store = open_store(f"gs://some-bucket/run/a?endpoint_url={q}&timeout=5&read_chunk=1KiB&part_size=2MiB")
     assert isinstance(store, GCSStore)
-    assert (store.bucket_name, store.prefix, store.location) == ("some-bucket", "run/a", "gs://some-bucket/run/a")
-    assert (store.timeout, store.read_chunk, store.part_size, store.anonymous) == (5.0, 1024, 2 * 1024 * 1024, True)
+    assert (store.bucket_name, store.prefix, store.location) == (
+        "some-bucket",
+        "run/a",
+        "gs://some-bucket/run/a",
+    )
+    assert (store.timeout, store.read_chunk, store.part_size, store.anonymous) == (
+        5.0,
+        1024,
+        2 * 1024 * 1024,
+        True,
+    )
     store.close()
     with pytest.raises(ConfigError):
         open_store(f"gs://some-bucket/run?endpoint_url={q}&colour=blue")

@@ -259,8 +259,21 @@ def test_put_fsyncs_the_file_and_its_directory(store, root, monkeypatch):
 
 @pytest.mark.parametrize(
     "key",
-    ["", "/etc/passwd", "../escape", "a/../../escape", "a/./b", "a//b", "trailing/", ".",
-     "..", "nul\x00byte", f"{STAGING_DIR}/x", f"{LOCKS_DIR}/00", ".objckpt-anything"],
+    [
+        "",
+        "/etc/passwd",
+        "../escape",
+        "a/../../escape",
+        "a/./b",
+        "a//b",
+        "trailing/",
+        ".",
+        "..",
+        "nul\x00byte",
+        f"{STAGING_DIR}/x",
+        f"{LOCKS_DIR}/00",
+        ".objckpt-anything",
+    ],
 )
 def test_keys_cannot_escape_the_root_or_reach_internal_files(store, root, tmp_path, key):
     for call in (

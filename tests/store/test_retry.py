@@ -11,12 +11,10 @@ import pytest
 from objckpt._crc import crc32c_b64
 from objckpt._retry import RetryPolicy
 from objckpt.errors import (
-    AlreadyExistsError,
     NotFoundError,
     PermissionDeniedError,
     TransientError,
 )
-from objckpt.store import PutMode
 from objckpt.store.memory import MemoryStore
 from objckpt.store.wrappers import CountingStore, Fault, FaultInjectingStore
 
@@ -56,8 +54,11 @@ def test_permanent_error_is_raised_after_exactly_one_try(op, error):
     inner.put("k", b"data")
     inner.reset()
     store, retries = _faulty(Fault(op=op, error=error, times=None), inner=inner)
-    call = {"put": lambda: store.put("k", b"new"), "get": lambda: store.get("k"),
-            "head": lambda: store.head("k")}[op]
+    call = {
+        "put": lambda: store.put("k", b"new"),
+        "get": lambda: store.get("k"),
+        "head": lambda: store.head("k"),
+    }[op]
     with pytest.raises(error) as info:
         call()
     assert info.value.key == "k" and info.value.location == "memory://perm"
@@ -180,13 +181,14 @@ def test_counting_store_counts_each_try_and_records_calls_in_order():
 def test_create_whose_response_was_lost_is_recognised_as_our_own_write():
     """A CREATE that landed but whose response was lost must not fail the retry with
     AlreadyExistsError when the object holds exactly our bytes; different bytes still conflict."""
+    from objckpt import AlreadyExistsError, PutMode, RetryPolicy
     from objckpt.store.memory import MemoryStore
     from objckpt.store.wrappers import Fault, FaultInjectingStore
-    from objckpt import AlreadyExistsError, PutMode, RetryPolicy
 
     inner = MemoryStore("lost")
     store = FaultInjectingStore(
-        inner, [Fault(op="put", key="shard", after=True)],
+        inner,
+        [Fault(op="put", key="shard", after=True)],
         retry=RetryPolicy(initial_backoff=0.001, max_backoff=0.001),
     )
     meta = store.put("shard", b"payload", mode=PutMode.CREATE)

@@ -83,8 +83,7 @@ def s3_store(s3_backend):
 
 
 def _server_options(store: S3Store) -> dict[str, str]:
-    return {"endpoint_url": store.endpoint_url, "access_key_id": "testing",
-            "secret_access_key": "testing"}
+    return {"endpoint_url": store.endpoint_url, "access_key_id": "testing", "secret_access_key": "testing"}
 
 
 # ---------------------------------------------------------------- error mapping (offline)
@@ -113,8 +112,9 @@ ERROR_TABLE = [
 @pytest.mark.parametrize("code,status,expected,text", ERROR_TABLE, ids=[r[0] for r in ERROR_TABLE])
 def test_client_errors_map_to_objckpt_errors(code, status, expected, text):
     store, stub = stubbed()
-    stub.add_client_error("get_object", service_error_code=code, service_message="server says no",
-                          http_status_code=status)
+    stub.add_client_error(
+        "get_object", service_error_code=code, service_message="server says no", http_status_code=status
+    )
     with pytest.raises(StoreError) as info:
         store.get("a/k")
     err = info.value
@@ -147,28 +147,53 @@ def test_connection_problems_are_transient(exc):
 
 
 def test_missing_credentials_are_permission_denied_and_tls_errors_permanent():
-    err = map_s3_error(bexc.NoCredentialsError(), operation="put", key="k",
-                       location="s3://bkt/run", bucket="bkt")
+    err = map_s3_error(
+        bexc.NoCredentialsError(), operation="put", key="k", location="s3://bkt/run", bucket="bkt"
+    )
     assert isinstance(err, PermissionDeniedError) and "credentials" in str(err)
-    tls = map_s3_error(bexc.SSLError(endpoint_url="https://x", error="cert verify failed"),
-                       operation="put", key="k", location="s3://bkt/run", bucket="bkt")
+    tls = map_s3_error(
+        bexc.SSLError(endpoint_url="https://x", error="cert verify failed"),
+        operation="put",
+        key="k",
+        location="s3://bkt/run",
+        bucket="bkt",
+    )
     assert type(tls) is StoreError
 
 
-@pytest.mark.parametrize("code,status", [("PreconditionFailed", 412),
-                                         ("ConditionalRequestConflict", 409)])
+@pytest.mark.parametrize("code,status", [("PreconditionFailed", 412), ("ConditionalRequestConflict", 409)])
 def test_conditional_conflicts_map_by_mode(code, status):
     store, stub = stubbed()
-    stub.add_client_error("put_object", service_error_code=code, http_status_code=status,
-                          expected_params={"Bucket": "bkt", "Key": "run/k", "Body": ANY,
-                                           "ContentLength": 1, "ChecksumAlgorithm": "CRC32C",
-                                           "ChecksumCRC32C": crc32c_b64(b"x"), "IfNoneMatch": "*"})
+    stub.add_client_error(
+        "put_object",
+        service_error_code=code,
+        http_status_code=status,
+        expected_params={
+            "Bucket": "bkt",
+            "Key": "run/k",
+            "Body": ANY,
+            "ContentLength": 1,
+            "ChecksumAlgorithm": "CRC32C",
+            "ChecksumCRC32C": crc32c_b64(b"x"),
+            "IfNoneMatch": "*",
+        },
+    )
     with pytest.raises(AlreadyExistsError):
         store.put("k", b"x", mode=PutMode.CREATE)
-    stub.add_client_error("put_object", service_error_code=code, http_status_code=status,
-                          expected_params={"Bucket": "bkt", "Key": "run/k", "Body": ANY,
-                                           "ContentLength": 1, "ChecksumAlgorithm": "CRC32C",
-                                           "ChecksumCRC32C": crc32c_b64(b"x"), "IfMatch": '"v1"'})
+    stub.add_client_error(
+        "put_object",
+        service_error_code=code,
+        http_status_code=status,
+        expected_params={
+            "Bucket": "bkt",
+            "Key": "run/k",
+            "Body": ANY,
+            "ContentLength": 1,
+            "ChecksumAlgorithm": "CRC32C",
+            "ChecksumCRC32C": crc32c_b64(b"x"),
+            "IfMatch": '"v1"',
+        },
+    )
     with pytest.raises(PreconditionFailedError):
         store.put("k", b"x", mode=PutMode.update('"v1"'))
     stub.assert_no_pending_responses()
@@ -203,21 +228,26 @@ def test_permanent_error_is_not_retried():
 
 def test_delete_batch_raises_per_key_errors_and_ignores_absent_keys():
     store, stub = stubbed(retry=FAST_RETRY)
-    stub.add_response("delete_objects", {"Errors": [
-        {"Key": "run/a", "Code": "NoSuchKey", "Message": "gone"}]})
+    stub.add_response(
+        "delete_objects", {"Errors": [{"Key": "run/a", "Code": "NoSuchKey", "Message": "gone"}]}
+    )
     store.delete(["a"])  # absent keys are not an error
-    stub.add_response("delete_objects", {"Errors": [
-        {"Key": "run/b", "Code": "AccessDenied", "Message": "no"}]})
+    stub.add_response(
+        "delete_objects", {"Errors": [{"Key": "run/b", "Code": "AccessDenied", "Message": "no"}]}
+    )
     with pytest.raises(PermissionDeniedError) as info:
         store.delete(["a", "b"])
     assert "s3://bkt/run/b" in str(info.value)
     # a per-key transient error is retried like a failed request
     retries = _retries(store)
-    stub.add_response("delete_objects", {"Errors": [
-        {"Key": "run/c", "Code": "InternalError", "Message": "try again"}]})
-    stub.add_response("delete_objects", {},
-                      expected_params={"Bucket": "bkt", "Delete": {
-                          "Objects": [{"Key": "run/c"}], "Quiet": True}})
+    stub.add_response(
+        "delete_objects", {"Errors": [{"Key": "run/c", "Code": "InternalError", "Message": "try again"}]}
+    )
+    stub.add_response(
+        "delete_objects",
+        {},
+        expected_params={"Bucket": "bkt", "Delete": {"Objects": [{"Key": "run/c"}], "Quiet": True}},
+    )
     store.delete(["c"])
     assert len(retries) == 1
     stub.assert_no_pending_responses()
@@ -226,37 +256,49 @@ def test_delete_batch_raises_per_key_errors_and_ignores_absent_keys():
 def test_list_uploads_follows_pagination_and_reports_initiated_time():
     store, stub = stubbed()
     when = dt.datetime(2026, 1, 2, tzinfo=dt.timezone.utc)
-    stub.add_response("list_multipart_uploads", {
-        "Uploads": [{"Key": "run/x/1", "UploadId": "u1", "Initiated": when}],
-        "IsTruncated": True, "NextKeyMarker": "run/x/1", "NextUploadIdMarker": "u1"},
-        expected_params={"Bucket": "bkt", "Prefix": "run/x/"})
-    stub.add_response("list_multipart_uploads", {
-        "Uploads": [{"Key": "run/x/2", "UploadId": "u2", "Initiated": when}], "IsTruncated": False},
-        expected_params={"Bucket": "bkt", "Prefix": "run/x/", "KeyMarker": "run/x/1",
-                         "UploadIdMarker": "u1"})
+    stub.add_response(
+        "list_multipart_uploads",
+        {
+            "Uploads": [{"Key": "run/x/1", "UploadId": "u1", "Initiated": when}],
+            "IsTruncated": True,
+            "NextKeyMarker": "run/x/1",
+            "NextUploadIdMarker": "u1",
+        },
+        expected_params={"Bucket": "bkt", "Prefix": "run/x/"},
+    )
+    stub.add_response(
+        "list_multipart_uploads",
+        {"Uploads": [{"Key": "run/x/2", "UploadId": "u2", "Initiated": when}], "IsTruncated": False},
+        expected_params={"Bucket": "bkt", "Prefix": "run/x/", "KeyMarker": "run/x/1", "UploadIdMarker": "u1"},
+    )
     uploads = store.list_uploads("x/")
-    assert [(u.key, u.upload_id, u.initiated) for u in uploads] == [
-        ("x/1", "u1", when), ("x/2", "u2", when)]
+    assert [(u.key, u.upload_id, u.initiated) for u in uploads] == [("x/1", "u1", when), ("x/2", "u2", when)]
 
 
 def test_head_never_reports_a_composite_checksum_as_crc32c():
     store, stub = stubbed()
-    stub.add_response("head_object", {"ContentLength": 3, "ETag": '"e-2"',
-                                      "ChecksumCRC32C": "AAAAAA==-2", "ChecksumType": "COMPOSITE"})
+    stub.add_response(
+        "head_object",
+        {"ContentLength": 3, "ETag": '"e-2"', "ChecksumCRC32C": "AAAAAA==-2", "ChecksumType": "COMPOSITE"},
+    )
     assert store.head("k").crc32c is None
     # moto 5.2.5 sends a composite value bare (no "-N", no type): a multipart ETag gives it away
     stub.add_response("head_object", {"ContentLength": 3, "ETag": '"e-2"', "ChecksumCRC32C": "AAAAAA=="})
     assert store.head("k").crc32c is None
-    stub.add_response("head_object", {"ContentLength": 3, "ETag": '"e-2"', "ChecksumCRC32C": "AAAAAA==",
-                                      "ChecksumType": "FULL_OBJECT"})
+    stub.add_response(
+        "head_object",
+        {"ContentLength": 3, "ETag": '"e-2"', "ChecksumCRC32C": "AAAAAA==", "ChecksumType": "FULL_OBJECT"},
+    )
     assert store.head("k").crc32c == "AAAAAA=="
     stub.add_response("head_object", {"ContentLength": 3, "ETag": '"e"', "ChecksumCRC32C": "AAAAAA=="})
     assert store.head("k").crc32c == "AAAAAA=="  # single PutObject: always the whole object's
 
 
 def test_client_config_disables_sdk_retries_and_default_checksums():
-    store = open_store("s3://bkt/run?endpoint_url=http://127.0.0.1:1&max_in_flight=24"
-                       f"&access_key_id={KEY_ID}&secret_access_key={SECRET}")
+    store = open_store(
+        "s3://bkt/run?endpoint_url=http://127.0.0.1:1&max_in_flight=24"
+        f"&access_key_id={KEY_ID}&secret_access_key={SECRET}"
+    )
     config = store._client.meta.config
     assert config.retries["total_max_attempts"] == 1
     assert config.request_checksum_calculation == "when_required"
@@ -266,10 +308,18 @@ def test_client_config_disables_sdk_retries_and_default_checksums():
     store.close()
 
 
-@pytest.mark.parametrize("query", [
-    "conditional_writes=maybe", "checksum_type=md5", "path_style=perhaps", "read_timeout=soon",
-    "max_in_flight=32&max_pool_connections=8", "access_key_id=only-half", "colour=blue",
-])
+@pytest.mark.parametrize(
+    "query",
+    [
+        "conditional_writes=maybe",
+        "checksum_type=md5",
+        "path_style=perhaps",
+        "read_timeout=soon",
+        "max_in_flight=32&max_pool_connections=8",
+        "access_key_id=only-half",
+        "colour=blue",
+    ],
+)
 def test_bad_options_are_config_errors(query):
     with pytest.raises(ConfigError):
         open_store(f"s3://bkt/run?endpoint_url=http://127.0.0.1:1&{query}")
@@ -290,8 +340,13 @@ def test_conditional_writes_none_refuses_conditional_modes_without_a_request():
 @pytest.mark.parametrize("key", ["", "../escape", "a/../../b", "./a", "/abs", "a//b", "dir/"])
 def test_keys_that_could_escape_the_root_are_refused_without_a_request(key):
     store, stub = stubbed()  # nothing stubbed: any request would fail differently
-    for call in (lambda: store.put(key, b"x"), lambda: store.get(key), lambda: store.head(key),
-                 lambda: b"".join(store.get_stream(key)), lambda: store.delete([key])):
+    for call in (
+        lambda: store.put(key, b"x"),
+        lambda: store.get(key),
+        lambda: store.head(key),
+        lambda: b"".join(store.get_stream(key)),
+        lambda: store.delete([key]),
+    ):
         with pytest.raises(InvalidKeyError):
             call()
     stub.assert_no_pending_responses()
@@ -329,8 +384,7 @@ def test_wire_carries_our_crc32c_and_no_sdk_default_checksums(s3_store):
     sent: list[tuple[str, dict[str, str]]] = []
 
     def record(request, event_name, **_):
-        headers = {k.lower(): (v.decode() if isinstance(v, bytes) else v)
-                   for k, v in request.headers.items()}
+        headers = {k.lower(): (v.decode() if isinstance(v, bytes) else v) for k, v in request.headers.items()}
         sent.append((event_name.rsplit(".", 1)[-1], headers))
 
     s3_store._client.meta.events.register("before-send.s3", record)
@@ -347,8 +401,7 @@ def test_wire_carries_our_crc32c_and_no_sdk_default_checksums(s3_store):
     assert put["x-amz-sdk-checksum-algorithm"] == "CRC32C"
     assert put["if-none-match"] == "*"
     parts = sorted(by_op["UploadPart"], key=lambda h: int(h["content-length"]), reverse=True)
-    assert [h["x-amz-checksum-crc32c"] for h in parts] == [
-        crc32c_b64(data[:PART]), crc32c_b64(data[PART:])]
+    assert [h["x-amz-checksum-crc32c"] for h in parts] == [crc32c_b64(data[:PART]), crc32c_b64(data[PART:])]
     create = by_op["CreateMultipartUpload"][0]
     assert create["x-amz-checksum-algorithm"] == "CRC32C"
     assert create["x-amz-checksum-type"] == "FULL_OBJECT"
@@ -374,8 +427,7 @@ def test_head_reports_full_object_crc32c_of_multipart_objects(s3_store):
 def multipart_etag_of(data: bytes, part: int) -> str:
     import hashlib
 
-    return multipart_etag([hashlib.md5(data[i : i + part]).hexdigest()
-                           for i in range(0, len(data), part)])
+    return multipart_etag([hashlib.md5(data[i : i + part]).hexdigest() for i in range(0, len(data), part)])
 
 
 def test_composite_checksum_type_reports_no_crc32c_but_verifies_reads(s3_backend):
@@ -446,8 +498,9 @@ def test_if_none_match_on_complete_multipart_upload(s3_store):
 
 def test_if_match_on_complete_multipart_upload(request, s3_backend, s3_store):
     if s3_backend.name == "s3_moto":  # observed on moto 5.2.5; strict: a fixed moto turns red
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="moto ignores If-Match on CompleteMultipartUpload"))
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason="moto ignores If-Match on CompleteMultipartUpload")
+        )
     old = s3_store.put("k", b"v1")
     s3_store.put("k", b"v2")
     data = os.urandom(PART + 1)
@@ -491,8 +544,10 @@ def test_large_reads_fan_out_into_ranged_gets_pinned_to_one_etag(s3_backend):
         sent: list[dict[str, str]] = []
         store._client.meta.events.register(
             "before-send.s3.GetObject",
-            lambda request, **_: sent.append({k: v.decode() if isinstance(v, bytes) else v
-                                              for k, v in request.headers.items()}))
+            lambda request, **_: sent.append(
+                {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+            ),
+        )
         assert store.get("obj") == data
         assert len(sent) == 6  # 1 MiB ranges
         assert "If-Match" not in sent[0] and all(h["If-Match"] == meta.version for h in sent[1:])
@@ -543,8 +598,7 @@ def test_get_stream_resumes_after_a_read_error_mid_body(s3_backend):
     client.get_object = flaky_get
     retries = _retries(s3_store)
     try:
-        got = b"".join(s3_store.get_stream("obj", expected_size=len(data),
-                                           expected_crc32c=meta.crc32c))
+        got = b"".join(s3_store.get_stream("obj", expected_size=len(data), expected_crc32c=meta.crc32c))
     finally:
         del client.get_object
     assert got == data
@@ -596,12 +650,17 @@ def moto_with_auth():
 
 
 def test_bad_credentials_are_permission_denied_without_retry_or_leak(moto_with_auth):
-    query = urlencode({"endpoint_url": moto_with_auth.endpoint_url, "access_key_id": KEY_ID,
-                       "secret_access_key": SECRET})
+    query = urlencode(
+        {"endpoint_url": moto_with_auth.endpoint_url, "access_key_id": KEY_ID, "secret_access_key": SECRET}
+    )
     with open_store(f"s3://some-bucket/run?{query}", max_attempts=5) as store:
         retries = _retries(store)
-        for call in (lambda: store.put("k", b"x"), lambda: store.get("k"),
-                     lambda: store.head("k"), lambda: list(store.list(""))):
+        for call in (
+            lambda: store.put("k", b"x"),
+            lambda: store.get("k"),
+            lambda: store.head("k"),
+            lambda: list(store.list("")),
+        ):
             with pytest.raises(PermissionDeniedError) as info:
                 call()
             assert SECRET not in str(info.value)
@@ -613,9 +672,11 @@ def test_unreachable_endpoint_is_transient_and_retried():
     from objckpt.testing.s3_servers import free_port
 
     port = free_port()  # nothing listens there: connection refused
-    with open_store(f"s3://bkt/run?endpoint_url=http://127.0.0.1:{port}&access_key_id=a"
-                    "&secret_access_key=b&connect_timeout=2",
-                    retry=RetryPolicy(max_attempts=2, initial_backoff=0.001, max_backoff=0.001)) as store:
+    with open_store(
+        f"s3://bkt/run?endpoint_url=http://127.0.0.1:{port}&access_key_id=a"
+        "&secret_access_key=b&connect_timeout=2",
+        retry=RetryPolicy(max_attempts=2, initial_backoff=0.001, max_backoff=0.001),
+    ) as store:
         retries = _retries(store)
         with pytest.raises(TransientError) as info:
             store.get("k")
@@ -626,12 +687,13 @@ def test_unreachable_endpoint_is_transient_and_retried():
 @pytest.mark.localstack
 @pytest.mark.slow
 def test_localstack_ready_hook_creates_the_test_bucket():
-    from objckpt.testing.s3_servers import LocalStackServer, REPO_ROOT
+    from objckpt.testing.s3_servers import REPO_ROOT, LocalStackServer
 
     if os.environ.get("OBJCKPT_TEST_S3_ENDPOINT") or not LocalStackServer.available():
         pytest.skip("needs LocalStack in host mode (bash scripts/localstack.sh)")
-    with LocalStackServer(init_dir=REPO_ROOT / "localstack" / "init",
-                          env={"OBJCKPT_TEST_BUCKET": "hook-made-bucket"}) as server:
+    with LocalStackServer(
+        init_dir=REPO_ROOT / "localstack" / "init", env={"OBJCKPT_TEST_BUCKET": "hook-made-bucket"}
+    ) as server:
         with open_store(server.uri("hook-made-bucket", "run")) as store:
             store.put("k", b"x", mode=PutMode.CREATE)
             assert store.get("k") == b"x"

@@ -105,8 +105,18 @@ def test_file_uri_opens_a_local_store_on_that_root(tmp_path):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("16MiB", 16 * 2**20), ("8388608", 8388608), ("5 MiB", 5 * 2**20), ("1k", 1000),
-     ("1KiB", 1024), ("2G", 2 * 10**9), ("1gib", 2**30), ("7b", 7), ("3Mi", 3 * 2**20), (42, 42)],
+    [
+        ("16MiB", 16 * 2**20),
+        ("8388608", 8388608),
+        ("5 MiB", 5 * 2**20),
+        ("1k", 1000),
+        ("1KiB", 1024),
+        ("2G", 2 * 10**9),
+        ("1gib", 2**30),
+        ("7b", 7),
+        ("3Mi", 3 * 2**20),
+        (42, 42),
+    ],
 )
 def test_parse_size_understands_units(text, expected):
     assert parse_size(text) == expected

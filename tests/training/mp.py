@@ -11,7 +11,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, args: tuple[Any, ...]) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, store_file: str, args: tuple[Any, ...]
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -34,7 +36,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, 
     dist.destroy_process_group()
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[int | None]:
+def run_world(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0
+) -> list[int | None]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one gloo
     group; return their exit codes (negative: killed by that signal). Processes still running
     after ``timeout`` seconds are killed and the test fails."""
@@ -47,7 +51,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx.set_forkserver_preload(["torch", "tests.training.workers"])
     store_dir = tempfile.mkdtemp(prefix="objckpt-world-")
     store_file = os.path.join(store_dir, "rendezvous")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store_file, args), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, store_file, args), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

@@ -216,7 +216,9 @@ def test_a_state_over_the_staging_budget_is_refused_before_anything_is_staged() 
     store = MemoryStore()
     mgr = CheckpointManager(store, max_staging_bytes=1024)
     s = _state(width=64)
-    with pytest.raises(StagingBudgetError, match=r"needs [\d,]+ bytes of host staging memory.*max_staging_bytes=1,024"):
+    with pytest.raises(
+        StagingBudgetError, match=r"needs [\d,]+ bytes of host staging memory.*max_staging_bytes=1,024"
+    ):
         mgr.save_async(1, s)
     assert mgr.staging_bytes == 0 and list(store.list("")) == []
     # save() streams without staging: the budget does not apply
@@ -337,7 +339,9 @@ def test_staged_copies_are_bitwise_and_alias_nothing() -> None:
         "nested": {"lst": [1, 2.0, "x", None, (3, torch.zeros(2))], "b": bytearray(b"ab")},
     }
     expect = {
-        "nan": nan_payload.clone(), "strided": base.t().contiguous(), "conj": tree["conj"].resolve_conj(),
+        "nan": nan_payload.clone(),
+        "strided": base.t().contiguous(),
+        "conj": tree["conj"].resolve_conj(),
     }
     area = StagingArea()
     plan = area.plan([tree])
@@ -376,11 +380,12 @@ def test_staged_copies_are_bitwise_and_alias_nothing() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_async_save_and_restore_round_trip_is_bitwise(tmp_path: Path) -> None:
-    from .mp import run_world
-    from .test_multiprocess import _assert_same
-    from . import workers
     from objckpt.store import open_store
     from objckpt.training.serialization import loads
+
+    from . import workers
+    from .mp import run_world
+    from .test_multiprocess import _assert_same
 
     out = tmp_path / "out"
     out.mkdir()

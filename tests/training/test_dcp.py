@@ -8,7 +8,6 @@ save at world size 4, load at 2, save, load at 4, comparing full state dicts bit
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import socket
 import traceback
@@ -192,7 +191,8 @@ def test_failed_save_raises_commit_error_and_keeps_previous_checkpoint() -> None
     # No manifest was written and every object of the committed checkpoint is byte-identical.
     after = snapshot(inner)
     assert {k for k in after if k.startswith("manifests/") or k == "LATEST"} == {
-        "manifests/00000000000000000010.json", "LATEST"
+        "manifests/00000000000000000010.json",
+        "LATEST",
     }
     assert {k: v for k, v in after.items() if k in before} == before
     out = zeros_like_state(good)
@@ -279,7 +279,9 @@ def _commit_hostile_metadata(store: MemoryStore, step: int) -> None:
     w.write("dcp-00000.bin", b"")
     w.write(METADATA_SHARD, pickle.dumps(_Evil("metadata")))
     Coordinator(store, world_size=1).commit(
-        step, attempt, {0: w.receipts},
+        step,
+        attempt,
+        {0: w.receipts},
         metadata={"dcp": {"format_version": 1, "metadata_shard": {"rank": 0, "name": METADATA_SHARD}}},
     )
 
@@ -376,8 +378,13 @@ def test_plan_caching_is_refused() -> None:
         with pytest.raises(CommitError, match="stale DCP save plan"):
             save_sharded(sample_state(0), store, 2, planner=DefaultSavePlanner(enable_plan_caching=True))
     finally:
-        for cache in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
-                      "_cached_metadata", "_cached_final_save_plan"):
+        for cache in (
+            "_cached_save_plan",
+            "_cached_all_plans",
+            "_cached_global_plan",
+            "_cached_metadata",
+            "_cached_final_save_plan",
+        ):
             getattr(SavePlanner, cache, {}).clear()
     assert [m.step for m in Reader(store).candidates()] == [1]
 
@@ -413,8 +420,9 @@ class _Net(torch.nn.Module):
         return self.layers[1](torch.relu(self.layers[0](x)))
 
 
-def _fsdp_worker(rank: int, world: int, port: int, root: str, out: str,
-                 load_step: int | None, save_step: int | None) -> None:
+def _fsdp_worker(
+    rank: int, world: int, port: int, root: str, out: str, load_step: int | None, save_step: int | None
+) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -432,7 +440,10 @@ def _fsdp_worker(rank: int, world: int, port: int, root: str, out: str,
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=120),
         )
         try:

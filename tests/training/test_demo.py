@@ -17,7 +17,10 @@ def test_demo_resumed_run_matches_uninterrupted_run() -> None:
     pytest.importorskip("moto")
     proc = subprocess.run(
         [sys.executable, "-m", "objckpt.demo"],
-        capture_output=True, text=True, timeout=360, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=360,
+        cwd=REPO,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

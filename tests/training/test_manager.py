@@ -113,7 +113,9 @@ def test_unserializable_value_is_refused_before_any_write() -> None:
 
 
 def test_failed_shard_write_is_a_commit_error_and_no_manifest() -> None:
-    store = FaultInjectingStore(MemoryStore(), [Fault(op="put", key="data/*/rank.bin", error=PermissionDeniedError, times=None)])
+    store = FaultInjectingStore(
+        MemoryStore(), [Fault(op="put", key="data/*/rank.bin", error=PermissionDeniedError, times=None)]
+    )
     with pytest.raises(CommitError, match=r"failing ranks \[0\].*PermissionDenied") as info:
         CheckpointManager(store).save(1, _state())
     assert set(info.value.failures) == {0}
@@ -163,7 +165,9 @@ def test_checkpoint_that_does_not_fit_changes_nothing() -> None:
     wrong = _state(2, width=16)
     before = {k: v.clone() for k, v in wrong["model"].state_dict().items()}
     sched_before = wrong["scheduler"].state_dict()
-    with pytest.raises(TrainingStateError, match=r"tensor '0.weight' has shape \(8, 4\) in the checkpoint but \(16, 4\)"):
+    with pytest.raises(
+        TrainingStateError, match=r"tensor '0.weight' has shape \(8, 4\) in the checkpoint but \(16, 4\)"
+    ):
         CheckpointManager(store).restore(wrong)
     assert all(torch.equal(before[k], v) for k, v in wrong["model"].state_dict().items())
     assert wrong["scheduler"].state_dict() == sched_before and wrong["progress"].global_step == 0
@@ -206,8 +210,10 @@ def test_retention_keeps_the_last_n() -> None:
     for step in (1, 2, 3, 4):
         mgr.save(step, s)
     assert Reader(store).steps() == [3, 4]
-    assert all(p.startswith(("data/00000000000000000003-", "data/00000000000000000004-"))
-               for p in store.list_prefixes("data/"))
+    assert all(
+        p.startswith(("data/00000000000000000003-", "data/00000000000000000004-"))
+        for p in store.list_prefixes("data/")
+    )
 
 
 def test_replicated_tensors_are_split_across_ranks_by_size() -> None:

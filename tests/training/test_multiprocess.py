@@ -75,8 +75,17 @@ def test_crash_and_resume_is_bitwise_identical(tmp_path: Path) -> None:
         assert a["restored"] is None and b["restored"] == 20
         # steps 21..40 saw the same samples in the same order
         assert b["order"] == a["order"][20:]
-        for key in ("params", "optimizer", "scheduler", "sampler", "progress",
-                    "next_python", "next_numpy", "next_generator", "next_torch"):
+        for key in (
+            "params",
+            "optimizer",
+            "scheduler",
+            "sampler",
+            "progress",
+            "next_python",
+            "next_numpy",
+            "next_generator",
+            "next_torch",
+        ):
             _assert_same(a[key], b[key], f"rank {rank} {key}")
     # the ranks really differ from each other (per-rank RNG was restored per rank)
     assert _load(out_a, 0)["next_torch"].tolist() != _load(out_a, 1)["next_torch"].tolist()
@@ -94,7 +103,9 @@ def test_rank_sigkilled_mid_upload_leaves_no_manifest_and_gc_sweeps_it(tmp_path:
     store = open_store(root)
     reader = Reader(store)
     assert reader.steps() == [10, 20]  # no manifest for step 30
-    orphan = [p for p in store.list_prefixes(layout.DATA_PREFIX) if p.startswith("data/00000000000000000030-")]
+    orphan = [
+        p for p in store.list_prefixes(layout.DATA_PREFIX) if p.startswith("data/00000000000000000030-")
+    ]
     assert len(orphan) == 1
 
     # every rank restores the previous committed step
@@ -111,7 +122,9 @@ def test_rank_sigkilled_mid_upload_leaves_no_manifest_and_gc_sweeps_it(tmp_path:
     plan = plan_gc(store, policy, grace_period=timedelta(hours=1), now=later)
     assert [o.prefix for o in plan.orphans] == orphan
     run_gc(store, plan)
-    assert not [p for p in store.list_prefixes(layout.DATA_PREFIX) if p.startswith("data/00000000000000000030-")]
+    assert not [
+        p for p in store.list_prefixes(layout.DATA_PREFIX) if p.startswith("data/00000000000000000030-")
+    ]
     assert store.list_uploads("") == []  # the killed rank's staged upload is aborted too
     assert reader.steps() == [10, 20]
 
@@ -147,7 +160,9 @@ def test_disagreeing_ranks_and_collective_fallback(tmp_path: Path) -> None:
     assert run_world(workers.disagree, 2, root, other, str(out)) == [0, 0]
     for rank in range(2):
         r = _json(out, rank)
-        assert r["different_steps"].startswith("DistributedError") and "different steps" in r["different_steps"]
+        assert (
+            r["different_steps"].startswith("DistributedError") and "different steps" in r["different_steps"]
+        )
         assert r["different_roots"].startswith("DistributedError") and "rank 1" in r["different_roots"]
         assert r["restored"] == 10 and r["global_step"] == 10
         assert [f[0] for f in r["fallbacks"]] == [20] and "rank 1" in r["fallbacks"][0][1]

@@ -10,14 +10,20 @@ from objckpt.training.sampler import ResumableDistributedSampler
 from objckpt.training.state import TrainingStateError
 
 
-@pytest.mark.parametrize("n, replicas, drop_last", [(10, 3, False), (10, 3, True), (7, 2, False), (2, 4, False)])
+@pytest.mark.parametrize(
+    "n, replicas, drop_last", [(10, 3, False), (10, 3, True), (7, 2, False), (2, 4, False)]
+)
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_same_order_as_distributed_sampler(n: int, replicas: int, drop_last: bool, shuffle: bool) -> None:
     data = list(range(n))
     for rank in range(replicas):
         for epoch in (0, 3):
-            ours = ResumableDistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last)
-            ref = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last)
+            ours = ResumableDistributedSampler(
+                data, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last
+            )
+            ref = DistributedSampler(
+                data, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last
+            )
             ours.set_epoch(epoch)
             ref.set_epoch(epoch)
             assert list(ours) == list(ref) and len(ours) == len(ref)
@@ -46,7 +52,9 @@ def test_resumes_mid_epoch_exactly() -> None:
 def test_dataloader_batches_resume_at_the_next_batch() -> None:
     s = ResumableDistributedSampler(40, seed=1)
     seen = []
-    for i, batch in enumerate(DataLoader(list(range(40)), batch_size=4, sampler=s, generator=torch.Generator())):
+    for i, batch in enumerate(
+        DataLoader(list(range(40)), batch_size=4, sampler=s, generator=torch.Generator())
+    ):
         seen += batch.tolist()
         if i == 4:
             state = s.state_dict()
@@ -80,4 +88,6 @@ def test_mismatched_configuration_is_refused() -> None:
     with pytest.raises(TrainingStateError, match="dataset_len"):
         ResumableDistributedSampler(99, num_replicas=2, rank=0, seed=3).load_state_dict(state)
     with pytest.raises(TrainingStateError, match="position"):
-        ResumableDistributedSampler(100, num_replicas=2, rank=0, seed=3).load_state_dict({**state, "position": 51})
+        ResumableDistributedSampler(100, num_replicas=2, rank=0, seed=3).load_state_dict(
+            {**state, "position": 51}
+        )

@@ -80,7 +80,7 @@ def test_nested_structures_round_trip() -> None:
         "floats": [float("nan"), float("inf"), -float("inf"), -0.0, 1e-310, 2**-1074],
         "big": [2**64 + 1, -(2**100)],
         "bytes": b"\x00\xffabc",
-        "unicode": "ümlaut ✓ \u0000 \"quoted\"",
+        "unicode": 'ümlaut ✓ \u0000 "quoted"',
         "dtype": torch.bfloat16,
         "device": torch.device("cpu"),
         "np": np.arange(6, dtype=">i4").reshape(2, 3),
@@ -172,7 +172,13 @@ def _forge(header: dict, data: bytes = b"", *, header_bytes: bytes | None = None
 
 
 def _header(tree: object, arrays: list | None = None, data_size: int = 0) -> dict:
-    return {"format": "objckpt-state", "version": 1, "tree": tree, "arrays": arrays or [], "data_size": data_size}
+    return {
+        "format": "objckpt-state",
+        "version": 1,
+        "tree": tree,
+        "arrays": arrays or [],
+        "data_size": data_size,
+    }
 
 
 @pytest.mark.parametrize(
@@ -189,11 +195,59 @@ def _header(tree: object, arrays: list | None = None, data_size: int = 0) -> dic
         (_forge(_header({"t": 0})), "out of range"),
         (_forge(_header({"dt": "__class__"})), "not allowed"),
         (_forge(_header({"dev": "cpu; rm -rf /"})), "bad device"),
-        (_forge(_header({"t": 0}, [{"kind": "torch", "dtype": "os.system", "shape": [1], "offset": 0, "nbytes": 1}], 64), bytes(64)), "not allowed"),
-        (_forge(_header({"a": 0}, [{"kind": "numpy", "dtype": "|O8", "shape": [1], "offset": 0, "nbytes": 8}], 64), bytes(64)), "not allowed"),
-        (_forge(_header({"t": 0}, [{"kind": "torch", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 8}], 64), bytes(64)), "do not fit"),
-        (_forge(_header({"t": 0}, [{"kind": "torch", "dtype": "float32", "shape": [-1], "offset": 0, "nbytes": 4}], 64), bytes(64)), "bad shape"),
-        (_forge(_header({"t": 0}, [{"kind": "torch", "dtype": "uint8", "shape": [128], "offset": 0, "nbytes": 128}], 64), bytes(64)), "outside the data"),
+        (
+            _forge(
+                _header(
+                    {"t": 0},
+                    [{"kind": "torch", "dtype": "os.system", "shape": [1], "offset": 0, "nbytes": 1}],
+                    64,
+                ),
+                bytes(64),
+            ),
+            "not allowed",
+        ),
+        (
+            _forge(
+                _header(
+                    {"a": 0}, [{"kind": "numpy", "dtype": "|O8", "shape": [1], "offset": 0, "nbytes": 8}], 64
+                ),
+                bytes(64),
+            ),
+            "not allowed",
+        ),
+        (
+            _forge(
+                _header(
+                    {"t": 0},
+                    [{"kind": "torch", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 8}],
+                    64,
+                ),
+                bytes(64),
+            ),
+            "do not fit",
+        ),
+        (
+            _forge(
+                _header(
+                    {"t": 0},
+                    [{"kind": "torch", "dtype": "float32", "shape": [-1], "offset": 0, "nbytes": 4}],
+                    64,
+                ),
+                bytes(64),
+            ),
+            "bad shape",
+        ),
+        (
+            _forge(
+                _header(
+                    {"t": 0},
+                    [{"kind": "torch", "dtype": "uint8", "shape": [128], "offset": 0, "nbytes": 128}],
+                    64,
+                ),
+                bytes(64),
+            ),
+            "outside the data",
+        ),
         (_forge(_header([1], [], 64), bytes(32)), "header describes"),
         (_forge(_header([1], [], 0), bytes(10)), "header describes"),
         (_forge(_header(json.loads("[" * 150 + "]" * 150))), "deeper"),

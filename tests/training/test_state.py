@@ -24,25 +24,36 @@ from objckpt.training.state import (
 
 def _draws(extra: list) -> list:
     return [random.random(), np.random.rand(), torch.rand(2).tolist()] + [
-        g.standard_normal() if isinstance(g, np.random.Generator)
-        else torch.rand(1, generator=g).item() if isinstance(g, torch.Generator)
+        g.standard_normal()
+        if isinstance(g, np.random.Generator)
+        else torch.rand(1, generator=g).item()
+        if isinstance(g, torch.Generator)
         else g.random()
         for g in extra
     ]
 
 
 def test_global_and_object_rng_round_trip_through_a_shard() -> None:
-    gens = {"np": np.random.default_rng(1), "pcg": np.random.Generator(np.random.Philox(3)),
-            "torch": torch.Generator().manual_seed(2), "py": random.Random(4)}
+    gens = {
+        "np": np.random.default_rng(1),
+        "pcg": np.random.Generator(np.random.Philox(3)),
+        "torch": torch.Generator().manual_seed(2),
+        "py": random.Random(4),
+    }
     random.gauss(0, 1)  # leave a cached gaussian in Python's state
     np.random.randn()
-    saved = decode(dumps({"rng": capture_global_rng(),
-                          "items": {k: capture_item(k, g) for k, g in gens.items()}}))
+    saved = decode(
+        dumps({"rng": capture_global_rng(), "items": {k: capture_item(k, g) for k, g in gens.items()}})
+    )
     expected = _draws(list(gens.values()))
     # disturb everything, then restore
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
-    fresh = {"np": np.random.default_rng(9), "pcg": np.random.Generator(np.random.Philox(9)),
-             "torch": torch.Generator().manual_seed(9), "py": random.Random(9)}
+    fresh = {
+        "np": np.random.default_rng(9),
+        "pcg": np.random.Generator(np.random.Philox(9)),
+        "torch": torch.Generator().manual_seed(9),
+        "py": random.Random(9),
+    }
     check_restorable(fresh, saved["items"], rng=saved["rng"])
     apply_state(fresh, saved["items"], rng=saved["rng"])
     assert _draws(list(fresh.values())) == expected
@@ -83,12 +94,16 @@ def test_wrong_shaped_model_is_refused_naming_the_tensor() -> None:
     saved = {"model": capture_item("model", torch.nn.Linear(4, 3))}
     other = torch.nn.Linear(5, 3)
     before = other.weight.detach().clone()
-    with pytest.raises(TrainingStateError, match=r"tensor 'weight' has shape \(3, 4\) in the checkpoint but \(3, 5\)"):
+    with pytest.raises(
+        TrainingStateError, match=r"tensor 'weight' has shape \(3, 4\) in the checkpoint but \(3, 5\)"
+    ):
         check_restorable({"model": other}, saved)
     assert torch.equal(other.weight, before)
     with pytest.raises(TrainingStateError, match=r"missing keys \['2.weight'"):
-        check_restorable({"model": torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))},
-                         {"model": capture_item("m", torch.nn.Sequential(torch.nn.Linear(4, 3)))})
+        check_restorable(
+            {"model": torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))},
+            {"model": capture_item("m", torch.nn.Sequential(torch.nn.Linear(4, 3)))},
+        )
 
 
 def test_optimizer_mismatch_is_refused_before_loading() -> None:

@@ -20,13 +20,27 @@ SCRIPT = REPO / "examples" / "train_torchrun.py"
 def _torchrun(tmp: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(REPO)}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         # --standalone: c10d rendezvous on a free local port, a fresh key prefix per restart
         # round (torch 2.13's static rendezvous hands restarted workers the previous round's
         # gloo addresses: init_process_group fails or hangs)
-        "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-        str(SCRIPT), "--uri", f"file://{tmp}/{name}", "--steps", "40", "--every", "10",
-        "--status-file", str(tmp / f"{name}.status"), *extra,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        str(SCRIPT),
+        "--uri",
+        f"file://{tmp}/{name}",
+        "--steps",
+        "40",
+        "--every",
+        "10",
+        "--status-file",
+        str(tmp / f"{name}.status"),
+        *extra,
     ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
 

@@ -91,9 +91,12 @@ def train(
         for x, y, idx in loader:
             current.extend(idx.tolist())
             # every RNG stream takes part: Python, NumPy legacy, a NumPy Generator, torch (dropout)
-            x = x * (1.0 + 0.01 * random.random()) + torch.from_numpy(
-                0.01 * np.random.randn(*x.shape) + 0.01 * noise.standard_normal(x.shape)
-            ).float()
+            x = (
+                x * (1.0 + 0.01 * random.random())
+                + torch.from_numpy(
+                    0.01 * np.random.randn(*x.shape) + 0.01 * noise.standard_normal(x.shape)
+                ).float()
+            )
             sync = progress.accumulation_step == ACCUM - 1
             ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else _null()
             with ctx:
@@ -148,7 +151,9 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- scenarios
 
 
-def resume_run(rank: int, world_size: int, root: str, out: str, total: int, every: int, crash_at: int | None) -> None:
+def resume_run(
+    rank: int, world_size: int, root: str, out: str, total: int, every: int, crash_at: int | None
+) -> None:
     """Train to ``total`` (restoring first); optionally crash the whole job at ``crash_at``."""
     state = build(rank, world_size)
     seed_rank(rank)
@@ -263,17 +268,19 @@ def capture(state: dict[str, Any]) -> dict[str, Any]:
     import copy
 
     model = state["model"].module if hasattr(state["model"], "module") else state["model"]
-    return copy.deepcopy({
-        "params": model.state_dict(),
-        "optimizer": state["optimizer"].state_dict(),
-        "scheduler": state["scheduler"].state_dict(),
-        "sampler": state["sampler"].state_dict(),
-        "progress": state["progress"].state_dict(),
-        "python_rng": random.getstate(),
-        "numpy_rng": np.random.get_state(),
-        "torch_rng": torch.get_rng_state(),
-        "noise": state["noise"].bit_generator.state,
-    })
+    return copy.deepcopy(
+        {
+            "params": model.state_dict(),
+            "optimizer": state["optimizer"].state_dict(),
+            "scheduler": state["scheduler"].state_dict(),
+            "sampler": state["sampler"].state_dict(),
+            "progress": state["progress"].state_dict(),
+            "python_rng": random.getstate(),
+            "numpy_rng": np.random.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "noise": state["noise"].bit_generator.state,
+        }
+    )
 
 
 def _scribble(state: dict[str, Any]) -> None:
@@ -337,7 +344,9 @@ def async_round_trip(rank: int, world_size: int, root: str, failing: str, abando
     # rank 1 cannot write: both ranks' handles fail with the same CommitError naming rank 1
     store = open_store(failing)
     if rank == 1:
-        store = FaultInjectingStore(store, [Fault(op="put", key="data/*/rank.bin", error=PermissionDeniedError, times=None)])
+        store = FaultInjectingStore(
+            store, [Fault(op="put", key="data/*/rank.bin", error=PermissionDeniedError, times=None)]
+        )
     mgr3 = CheckpointManager(store, timeout=60, handshake_timeout=60)
     err = mgr3.save_async(1, state).exception(timeout=120)
     result["failure"] = f"{type(err).__name__}: {err}"
