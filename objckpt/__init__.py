@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._retry import RetryPolicy
+from ._version import __version__
 from .commit import Coordinator
 from .errors import (
     AlreadyExistsError,
@@ -66,7 +67,6 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(module), name)
 
 
-__version__ = "0.1.0"
 
 __all__ = [
     "BaseMetricsCallback",

@@ -867,7 +867,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=_Formatter,
     )
-    from . import __version__
+    from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"objckpt {__version__}")
     parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks and debug logs")

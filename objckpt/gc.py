@@ -34,7 +34,7 @@ __all__ = [
     "OrphanPrefix",
     "RetentionPolicy",
     "plan_gc",
-    "retain_after_commit",
+    "retain",
     "run_gc",
 ]
 
@@ -294,24 +294,20 @@ def run_gc(store: Store, plan: GcPlan) -> GcResult:
     return result
 
 
-def retain_after_commit(
+def retain(
     store: Store,
+    policy: RetentionPolicy,
     *,
-    keep_last: int | None,
-    keep_every: int | None = None,
     grace_period: timedelta = DEFAULT_GRACE_PERIOD,
 ) -> GcResult | None:
-    """Apply retention right after a commit; never raises.
+    """Apply ``policy`` right after a commit; never raises.
 
-    Used by the checkpoint manager and the framework plug-ins on the coordinator. A failure is
-    logged, not raised: the save is already committed, and retention only ever deletes what the
-    manifests say is no longer kept (the newest commit, its parent until it verifies, and any
-    save in progress are never touched), so a skipped round is harmless.
+    Used by the save session on the coordinator. A failure is logged, not raised: the save is
+    already committed, and retention only ever deletes what the manifests say is no longer kept
+    (the newest commit, its parent until it verifies, and any save in progress are never
+    touched), so a skipped round is harmless.
     """
-    if keep_last is None:
-        return None
     try:
-        policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
         plan = plan_gc(store, policy, grace_period=grace_period)
         if plan.empty:
             return None
@@ -325,3 +321,17 @@ def retain_after_commit(
     except Exception as exc:  # noqa: BLE001 - the save is committed whatever happens here
         log.warning("retention under %s failed (checkpoints are intact): %s", store.location, exc)
         return None
+
+
+def retain_after_commit(
+    store: Store,
+    *,
+    keep_last: int | None,
+    keep_every: int | None = None,
+    grace_period: timedelta = DEFAULT_GRACE_PERIOD,
+) -> GcResult | None:
+    """Transitional: :func:`retain` with keyword retention (removed once every adapter uses the
+    save session)."""
+    if keep_last is None:
+        return None
+    return retain(store, RetentionPolicy(keep_last=keep_last, keep_every=keep_every), grace_period=grace_period)

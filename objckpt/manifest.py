@@ -275,14 +275,21 @@ class ShardReceipt:
 # ---------------------------------------------------------------------------------- run identity
 
 
+#: frameworks whose version the run identity records when they are loaded (never imported here)
+_FRAMEWORKS = ("torch", "numpy", "lightning", "transformers", "deepspeed", "accelerate")
+
+
 def run_identity(run: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The run-identity record with software versions filled in.
+    """THE run-identity record (invariant 7), with software versions filled in.
 
     ``run`` may carry ``config_hash``, ``dataset_snapshot`` (when the data set has a snapshot
-    id), ``software`` (e.g. ``{"torch": "2.4.1"}``; callers that use torch supply its version) and
-    anything else JSON-clean. ``software.objckpt`` and ``software.python`` are added unless given.
+    id), ``software`` (name -> version) and anything else JSON-clean. Added unless given:
+    ``software.objckpt``, ``software.python``, and the version of every framework in
+    ``_FRAMEWORKS`` that this process has already imported (nothing is imported to find out).
     """
-    from . import __version__  # lazily: the package __init__ may import this module
+    import sys
+
+    from ._version import __version__
 
     out = _normalise(run, "run identity")
     software = out.get("software")
@@ -292,6 +299,11 @@ def run_identity(run: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise _Invalid("run identity 'software' must be a mapping of name -> version")
     software.setdefault("objckpt", __version__)
     software.setdefault("python", platform.python_version())
+    for name in _FRAMEWORKS:
+        module = sys.modules.get(name)
+        version = getattr(module, "__version__", None) if module is not None else None
+        if isinstance(version, str):
+            software.setdefault(name, version)
     out["software"] = software
     return out
 

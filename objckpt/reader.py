@@ -26,13 +26,11 @@ from typing import TypeVar
 from . import layout
 from .errors import (
     DistributedError,
-    IntegrityError,
     ManifestError,
     NoCheckpointError,
     NotFoundError,
-    PermissionDeniedError,
-    StoreError,
-    TransientError,
+    describe,
+    is_damage,
 )
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Pointer, ShardReceipt
 from .store.base import Store
@@ -114,9 +112,10 @@ class Reader:
 
         ``loader`` should read every shard it needs through :meth:`read_shard` /
         :meth:`open_shard` (which verify size and CRC32C) and build its result without touching
-        live state, so a checkpoint is used whole or not at all: a loader that raises
-        :class:`IntegrityError` or :class:`StoreError` rejects that checkpoint (logged as a
-        warning with the reason) and the next candidate is tried. Other exceptions propagate.
+        live state, so a checkpoint is used whole or not at all. A loader error that is damage
+        (:func:`objckpt.errors.is_damage`) rejects that checkpoint (logged as a warning with the
+        reason) and the next candidate is tried; any other error propagates at once, because
+        falling back past an outage or a permission error would silently lose work.
 
         Raises:
             NoCheckpointError: no candidate could be loaded.
@@ -125,8 +124,10 @@ class Reader:
         for manifest in self.candidates():
             try:
                 return manifest, loader(manifest)
-            except (IntegrityError, StoreError) as exc:
-                why = _describe(exc)
+            except Exception as exc:
+                if not is_damage(exc):
+                    raise
+                why = describe(exc)
                 rejected.append(f"step {manifest.step}: {why}")
                 log.warning(
                     "rejecting checkpoint step %d (%s) while loading, falling back to its parent %s: %s",
@@ -137,6 +138,12 @@ class Reader:
                 )
         detail = f" (rejected: {'; '.join(rejected)})" if rejected else ""
         raise NoCheckpointError(f"no valid checkpoint under {self.store.location}{detail}")
+
+    def manifests(self) -> Iterator[Manifest]:
+        """Validated manifests in fallback order (newest committed first, then along the parent
+        chain), without checking their shards: for restore paths that verify every byte they
+        read anyway, so a shard check up front would only cost requests."""
+        return self._walk(check_shards=False)
 
     def latest_before(self, step: int) -> Manifest | None:
         """The newest validated manifest with a step below ``step`` (a commit's parent)."""
@@ -254,21 +261,20 @@ class Reader:
         reports it). Returns the problems found, sorted by key; empty means it passed.
 
         Raises:
-            TransientError, PermissionDeniedError: the store could not be asked; that is not
-                evidence of damage, so it is not reported as a problem.
+            Any store error that is not damage (:func:`objckpt.errors.is_damage`): an outage,
+                a permission or configuration error is not evidence about this checkpoint, so
+                it is not reported as a problem.
         """
 
         def one(r: ShardReceipt) -> Problem | None:
             try:
                 meta = self.store.head(r.key)
-            except NotFoundError:
+            except Exception as exc:
+                # The one damage rule: a missing shard is damage; an outage, a permission or
+                # configuration error says nothing about this checkpoint, so it propagates.
+                if not is_damage(exc):
+                    raise
                 return Problem(manifest.step, r.key, "shard is missing", r.rank)
-            except (TransientError, PermissionDeniedError):
-                # An outage or missing permission says nothing about this checkpoint: falling
-                # back to an older one would silently lose work, so let the caller see it.
-                raise
-            except StoreError as exc:
-                return Problem(manifest.step, r.key, f"HEAD failed: {exc}", r.rank)
             if meta.size != r.size:
                 return Problem(manifest.step, r.key, f"size is {meta.size}, receipt says {r.size}", r.rank)
             if meta.version != r.version:
@@ -294,7 +300,12 @@ class Reader:
     def verify(self, manifest: Manifest, progress: Callable[[int], None] | None = None) -> list[Problem]:
         """Full check: :meth:`check`, then download every shard verifying size and CRC32C.
 
-        ``progress(n)`` is called with the byte count of each chunk read. Returns the problems.
+        ``progress(n)`` is called with the byte count of each chunk read. Returns the problems
+        (damage only).
+
+        Raises:
+            Any error that is not damage (an outage past the retry budget, a permission error):
+                the checkpoint could not be verified, which is not the same as bad.
         """
         problems = self.check(manifest)
         bad = {p.key for p in problems}
@@ -305,18 +316,11 @@ class Reader:
                 for chunk in self.open_shard(r):
                     if progress is not None:
                         progress(len(chunk))
-            except (IntegrityError, StoreError) as exc:
-                problems.append(Problem(manifest.step, r.key, _describe(exc, with_key=False), r.rank))
+            except Exception as exc:
+                if not is_damage(exc):
+                    raise  # an outage is not damage: verify fails with the store's error
+                problems.append(Problem(manifest.step, r.key, describe(exc, with_key=False), r.rank))
         return sorted(problems, key=lambda p: p.key)
-
-
-def _describe(exc: BaseException, *, with_key: bool = True) -> str:
-    """The error's message, naming the key it concerns when the message does not."""
-    text = str(exc)
-    key = getattr(exc, "key", "")
-    if with_key and key and key not in text:
-        text = f"{key}: {text}"
-    return text
 
 
 def agree_on_step(steps_by_rank: Mapping[int, int | None]) -> int | None:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..errors import IntegrityError, ObjckptError
+from ..errors import SerializationError, UnsupportedStateError
 
 try:  # numpy is optional: without it numpy arrays simply cannot appear in a state
     import numpy as np
@@ -108,14 +108,6 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in _TORCH_DTYPES.items()}
 # numpy: plain numeric/bool dtypes with explicit byte order, e.g. "<f4", "|b1", "<u8", "<c16"
 _NUMPY_DTYPE_RE = re.compile(r"^[<>|][biufc](1|2|4|8|16)$")
-
-
-class SerializationError(IntegrityError):
-    """A shard's bytes are not a valid objckpt state container (truncated, malformed, hostile)."""
-
-
-class UnsupportedStateError(ObjckptError, TypeError):
-    """A value in a state dict cannot be written by this format; the message names where it is."""
 
 
 @dataclass(frozen=True)
@@ -550,11 +542,17 @@ def decode_stream(chunks: Iterable[bytes], *, total_size: int | None = None) -> 
     header_len = _parse_prefix(take(_PREFIX.size), total_size)
     header = _parse_header(take(header_len))
     pos = _PREFIX.size + header_len
-    arrays = _alloc_arrays(header["arrays"], header["data_size"])
+    data_size = header["data_size"]
+    if not _is_int(data_size) or data_size < 0:
+        raise _fail(f"bad data size {data_size!r}")
     data_start = _align(pos)
-    expected = data_start + header["data_size"]
+    expected = data_start + data_size
+    # Invariant 11: a size declared inside the stored object is checked against the verified
+    # receipt BEFORE anything is allocated from it, so a hostile header (a huge tensor with a
+    # self-consistent receipt) is rejected as damage instead of exhausting memory.
     if total_size is not None and expected != total_size:
         raise _fail(f"header describes {expected} bytes but the shard has {total_size}")
+    arrays = _alloc_arrays(header["arrays"], data_size)
 
     # Fill the arrays from the rest of the stream. `pos` is the absolute offset of `pending[0]`.
     targets = [

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CommitError
-from .state import TrainingStateError
+from ..errors import SaveAbandonedError, StagingBudgetError
 
 try:  # numpy is optional, as in serialization
     import numpy as np
@@ -43,16 +42,6 @@ log = logging.getLogger("objckpt.training")
 ALIGN = 64
 #: the buffer grows in steps of this, so a state that grows by a few bytes does not reallocate
 _GROW = 1 << 20
-
-
-class StagingBudgetError(TrainingStateError):
-    """The state needs more host staging memory than ``max_staging_bytes`` allows; raised
-    before anything is staged or written."""
-
-
-class SaveAbandonedError(CommitError):
-    """The save was abandoned (``close(abandon=True)`` or :meth:`SaveHandle.abandon` on some
-    rank) before it was committed: no manifest was written; its uploads were aborted."""
 
 
 def _align(n: int) -> int:

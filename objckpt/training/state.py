@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ObjckptError
+from ..errors import TrainingStateError
 
 try:
     import numpy as np
@@ -45,11 +45,6 @@ __all__ = [
     "classify",
     "restore_global_rng",
 ]
-
-
-class TrainingStateError(ObjckptError, ValueError):
-    """The training state cannot be saved or restored as asked (not at an optimizer-step
-    boundary, a value of an unsupported kind, a checkpoint that does not fit the model)."""
 
 
 @dataclass

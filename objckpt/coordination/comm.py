@@ -1,0 +1,274 @@
+"""What the save and restore sessions need from the process world, and two torch-free worlds.
+
+A :class:`Comm` moves small JSON-able values between the ranks of one job: ``gather`` to rank 0,
+``broadcast`` from rank 0, and ``broadcast_bytes`` for raw bytes (a resolved manifest). On top of
+them :func:`agree` is the protocol's one decision primitive: every rank sends what it knows, rank 0
+decides, and every rank returns the same value or raises the same error (invariants 4, 5, 13).
+
+Implementations:
+
+* :class:`LocalComm` -- one process; every collective is the identity.
+* :class:`ThreadWorld` -- N ranks as threads of one process (tests at 1, 2 and 16 ranks, and the
+  scale simulator at thousands). Values cross the "wire" as JSON, exactly as between processes,
+  so a value that would not survive the real transport fails here too.
+* ``objckpt.training.dist.DistComm`` -- torch.distributed over dedicated gloo groups.
+
+Collectives on one communicator must be issued in the same order on every rank. After a
+collective fails (a timeout: a rank died, or not every rank called it) the communicator is broken
+and every later call raises :class:`DistributedError` at once: restart the job.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from ..errors import DistributedError, decode_error, encode_error
+
+__all__ = ["Comm", "LocalComm", "ThreadComm", "ThreadWorld", "agree"]
+
+T = TypeVar("T")
+
+
+def _wire(obj: Any) -> Any:
+    """What ``obj`` becomes after crossing the wire (a JSON round trip, no pickle ever)."""
+    return json.loads(json.dumps(obj, separators=(",", ":")))
+
+
+class Comm(ABC):
+    """The collectives of one job (or of one of its threads, see :meth:`background`).
+
+    Attributes:
+        rank: this process's rank, ``0 <= rank < world_size``; rank 0 coordinates.
+        world_size: how many ranks take part in every collective.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+
+    @abstractmethod
+    def gather(self, obj: Any, what: str, *, handshake: bool = False) -> list[Any] | None:
+        """Every rank's JSON-able ``obj`` on rank 0, in rank order; ``None`` on other ranks.
+
+        ``what`` names the collective in errors. ``handshake=True``: the entry of a save or
+        restore, where ranks should arrive within seconds of each other (a shorter timeout, so a
+        save called on rank 0 alone fails fast instead of hanging).
+
+        Raises:
+            DistributedError: a rank did not take part in time, or the communicator is broken.
+        """
+
+    @abstractmethod
+    def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
+        """Rank 0's JSON-able ``obj`` on every rank (the argument is ignored elsewhere)."""
+
+    def broadcast_bytes(self, data: bytes | None, what: str) -> bytes:
+        """Rank 0's ``data`` on every rank. The default sends it as base64 JSON; transports with
+        a byte path (gloo tensors) override it."""
+        import base64
+
+        text = base64.b64encode(data).decode("ascii") if self.rank == 0 and data is not None else None
+        got = self.broadcast(text, what)
+        if not isinstance(got, str):
+            raise DistributedError(f"{what}: rank 0 sent no bytes")
+        return base64.b64decode(got)
+
+    def background(self) -> Comm:
+        """The communicator reserved for a background save thread (its own channel, so its
+        collectives never interleave with the training thread's). Default: this one."""
+        return self
+
+    def close(self) -> None:
+        """Release what the communicator holds (process groups); idempotent."""
+
+
+def agree(
+    comm: Comm,
+    obj: Any,
+    decide: Callable[[list[Any]], T],
+    what: str,
+    *,
+    handshake: bool = False,
+) -> T:
+    """Gather ``obj`` to rank 0, run ``decide(all_objs)`` there, broadcast the outcome.
+
+    Every rank returns the same (JSON round-tripped) value, or raises the same error: an
+    exception raised by ``decide`` is encoded (:func:`objckpt.errors.encode_error`), sent to
+    every rank and raised there as the same type with the same message -- on rank 0 too, so no
+    rank sees a different error than its peers.
+    """
+    gathered = comm.gather(obj, what, handshake=handshake)
+    outcome: dict[str, Any] = {}
+    original: BaseException | None = None
+    if comm.rank == 0:
+        if gathered is None:
+            raise DistributedError(f"{what}: rank 0 received nothing from the gather")
+        try:
+            outcome = {"ok": decide(gathered)}
+        except Exception as exc:  # noqa: BLE001 - shipped to every rank, raised there
+            original = exc
+            outcome = {"error": encode_error(exc)}
+    outcome = comm.broadcast(outcome, what, handshake=handshake)
+    if "error" in outcome:
+        raise decode_error(outcome["error"]) from original
+    return outcome["ok"]  # type: ignore[no-any-return]
+
+
+class LocalComm(Comm):
+    """One process: every collective is the identity (values still take the JSON round trip,
+    so a single-process job fails on a value that a distributed one could not send)."""
+
+    def gather(self, obj: Any, what: str, *, handshake: bool = False) -> list[Any] | None:
+        return [_wire(obj)]
+
+    def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
+        return _wire(obj)
+
+    def broadcast_bytes(self, data: bytes | None, what: str) -> bytes:
+        if data is None:
+            raise DistributedError(f"{what}: rank 0 sent no bytes")
+        return bytes(data)
+
+
+class ThreadWorld:
+    """``world_size`` ranks as threads of this process, for tests and the scale simulator.
+
+    ::
+
+        world = ThreadWorld(16)
+        results = world.run(lambda comm: session_for(comm).save(...))   # one result per rank
+
+    Each collective is two barrier rounds (publish, then read), so a rank that never arrives
+    breaks the barrier after ``timeout`` seconds and every waiting rank raises
+    :class:`DistributedError`, exactly like a gloo timeout.
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = 60.0) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self._barrier = threading.Barrier(world_size, timeout=timeout)
+        self._slots: list[Any] = [None] * world_size
+        self._value: Any = None
+        #: collectives completed (rank 0's count), for tests that bound the protocol's traffic
+        self.collectives = 0
+        self._channels: dict[str, ThreadWorld] = {}
+        self._channels_lock = threading.Lock()
+
+    def comm(self, rank: int) -> ThreadComm:
+        """The communicator of ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        return ThreadComm(self, rank)
+
+    def channel(self, name: str) -> ThreadWorld:
+        """A second world over the same ranks (for :meth:`Comm.background`), created once."""
+        with self._channels_lock:
+            world = self._channels.get(name)
+            if world is None:
+                world = self._channels[name] = ThreadWorld(self.world_size, timeout=self.timeout)
+            return world
+
+    def run(
+        self,
+        fn: Callable[[ThreadComm], T],
+        *,
+        ranks: Sequence[int] | None = None,
+        stack_size: int | None = None,
+    ) -> list[T | BaseException]:
+        """Run ``fn(comm)`` on one thread per rank (or only ``ranks``); return each rank's
+        result or the exception it raised, in rank order."""
+        chosen = list(range(self.world_size)) if ranks is None else list(ranks)
+        results: dict[int, T | BaseException] = {}
+        lock = threading.Lock()
+
+        def body(rank: int) -> None:
+            try:
+                value: T | BaseException = fn(self.comm(rank))
+            except BaseException as exc:  # noqa: BLE001 - returned to the caller per rank
+                value = exc
+            with lock:
+                results[rank] = value
+
+        old = threading.stack_size()
+        if stack_size is not None:
+            threading.stack_size(stack_size)
+        try:
+            threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}") for r in chosen]
+            for t in threads:
+                t.start()
+        finally:
+            if stack_size is not None:
+                threading.stack_size(old)
+        for t in threads:
+            t.join()
+        return [results[r] for r in chosen]
+
+    # -- the two primitives, on the shared barrier
+
+    def _wait(self, rank: int, what: str) -> None:
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise DistributedError(
+                f"{what} failed on rank {rank}: a rank died, or not every rank called it within "
+                f"{self.timeout:g}s (save and restore must be called by all {self.world_size} ranks)"
+            ) from None
+
+    def _gather(self, rank: int, obj: Any, what: str) -> list[Any] | None:
+        self._slots[rank] = _wire(obj)
+        self._wait(rank, what)  # everyone has published
+        out = list(self._slots) if rank == 0 else None
+        self._wait(rank, what)  # rank 0 has read: the slots may be reused
+        if rank == 0:
+            self.collectives += 1
+        return out
+
+    def _broadcast(self, rank: int, obj: Any, what: str) -> Any:
+        if rank == 0:
+            self._value = _wire(obj)
+        self._wait(rank, what)
+        out = _wire(self._value)
+        self._wait(rank, what)
+        if rank == 0:
+            self.collectives += 1
+        return out
+
+    def abort(self) -> None:
+        """Break the barrier: every rank waiting (now or later) raises DistributedError."""
+        self._barrier.abort()
+
+
+class ThreadComm(Comm):
+    """One rank of a :class:`ThreadWorld`."""
+
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.world_size = world.world_size
+        self._broken: str | None = None
+
+    def _run(self, what: str, fn: Callable[[], T]) -> T:
+        if self._broken is not None:
+            raise DistributedError(
+                f"{what}: the checkpoint channel is unusable after an earlier failure "
+                f"({self._broken}); restart the job"
+            )
+        try:
+            return fn()
+        except DistributedError as exc:
+            self._broken = str(exc)
+            raise
+
+    def gather(self, obj: Any, what: str, *, handshake: bool = False) -> list[Any] | None:
+        return self._run(what, lambda: self.world._gather(self.rank, obj, what))
+
+    def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
+        return self._run(what, lambda: self.world._broadcast(self.rank, obj, what))
+
+    def background(self) -> Comm:
+        return ThreadComm(self.world.channel("background"), self.rank)

@@ -1,0 +1,274 @@
+"""The one restore protocol: resolve on one rank -> broadcast -> stage -> agree -> apply
+(invariants 10-13, 11b).
+
+Every way of restoring (``CheckpointManager.restore``, ``load_sharded``, the plug-ins) goes
+through :class:`RestoreSession`; the adapters only say how a rank *stages* a checkpoint
+(download, verify and decode everything it needs, modifying nothing) and how it *applies* the
+staged result. The session decides what must be the same on every rank:
+
+1. A handshake: every rank asks for the same step (or the latest).
+2. Rank 0 alone resolves (pointer, then ``manifests/``; never a scan of ``data/``) and broadcasts
+   the manifest's bytes; every other rank validates them (schema, self-checksum) without a
+   single request to the store, so resolution costs O(1) requests per job, not per rank.
+3. Every rank stages the proposed checkpoint. What goes wrong is classified by the one damage
+   rule, :func:`objckpt.errors.is_damage`: damage on any rank makes every rank fall back
+   together to the next older committed checkpoint (loudly: a warning on every rank, a
+   validation failure in the metrics); any other error -- an outage past the retry budget, a
+   permission or configuration error, a policy refusal, a checkpoint that does not fit the
+   live state -- is raised on every rank and never causes a fallback.
+4. Every rank applies what it staged, and the ranks check that all restored the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from .. import layout
+from ..errors import (
+    DistributedError,
+    NoCheckpointError,
+    decode_error,
+    describe,
+    encode_error,
+    is_damage,
+    with_rank,
+)
+from ..manifest import Manifest
+from ..metrics import CheckpointMetrics
+from ..reader import Reader
+from ..store.base import Store
+from .comm import Comm, agree
+
+__all__ = ["RestoreSession", "Restored"]
+
+log = logging.getLogger("objckpt.restore")
+
+T = TypeVar("T")
+
+
+@dataclass
+class Restored(Generic[T]):
+    """What a restore produced on this rank.
+
+    Attributes:
+        manifest: the checkpoint restored (the same on every rank).
+        value: what this rank's ``stage`` returned for it.
+        fallbacks: ``(step, reason)`` of every newer checkpoint rejected as damaged first.
+    """
+
+    manifest: Manifest
+    value: T
+    fallbacks: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+
+class RestoreSession:
+    """Restores checkpoints from one run root on every rank of ``comm``.
+
+    Args:
+        store: the run root.
+        comm: the job's communicator.
+        metrics: fed with restores, validation failures and restarts; ``None`` costs nothing.
+        label: how the adapter names a restore in messages.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        comm: Comm,
+        *,
+        metrics: CheckpointMetrics | None = None,
+        label: str = "restore",
+    ) -> None:
+        self.store = store
+        self.comm = comm
+        self.metrics = metrics
+        self.label = label
+        self.reader = Reader(store)
+
+    def restore(
+        self,
+        stage: Callable[[Manifest], T],
+        apply: Callable[[Manifest, T], None] | None = None,
+        *,
+        step: int | None = None,
+        error: BaseException | None = None,
+    ) -> Restored[T] | None:
+        """Restore the newest usable checkpoint (or ``step``) on every rank.
+
+        Args:
+            stage: this rank's download, verification and decoding of a checkpoint; it must not
+                modify live state. Its exception decides what happens (see the module doc).
+            apply: this rank's use of what ``stage`` returned (load it into the live objects);
+                an exception here is raised on every rank (the state of the failing ranks may be
+                partially loaded: that is why everything checkable is checked while staging).
+            step: a specific step, never falling back (damage raises
+                :class:`NoCheckpointError`); ``None``: the newest usable checkpoint.
+            error: this rank could not prepare (e.g. an unsupported state value): every rank
+                raises it before anything is read.
+
+        Returns ``None`` when nothing is committed (nothing was modified).
+
+        Raises (the same on every rank):
+            NoCheckpointError: checkpoints exist but none is usable, or ``step`` is not.
+            DistributedError: ranks asked for different steps, or did not all take part.
+            Any non-damage error of ``stage`` or ``apply`` (prefixed with the failing rank).
+        """
+        comm = self.comm
+        started = time.monotonic()
+        hello = {"step": step, "error": encode_error(error) if error is not None else None}
+        agree(comm, hello, _decide_handshake, f"{self.label} handshake", handshake=True)
+
+        candidates: Iterator[Manifest] | None = None
+        if comm.rank == 0 and step is None:
+            candidates = self.reader.manifests()
+        fallbacks: list[tuple[int, str]] = []
+        while True:
+            manifest = self._propose(candidates, step, fallbacks)
+            if manifest is None:
+                return None
+            staged: T | None = None
+            try:
+                staged = stage(manifest)
+                verdict: dict[str, object] = {"ok": True}
+            except Exception as exc:  # noqa: BLE001 - classified, then agreed by every rank
+                if is_damage(exc):
+                    verdict = {"damaged": describe(exc)}
+                else:
+                    verdict = {"fatal": encode_error(exc)}
+            outcome = agree(comm, verdict, _decide_staging, f"{self.label}(step={manifest.step}) verification")
+            if outcome.get("ok"):
+                break
+            damaged = outcome["damaged"]
+            assert isinstance(damaged, dict)
+            why = "; ".join(f"rank {r}: {m}" for r, m in sorted(damaged.items(), key=lambda kv: int(kv[0])))
+            if self.metrics is not None:
+                self.metrics.record_validation_failure(why, step=manifest.step, key=manifest.key)
+            if step is not None:  # an explicit step: no fallback
+                raise NoCheckpointError(
+                    f"checkpoint step {manifest.step} under {self.store.location} is damaged: {why}"
+                )
+            log.warning(
+                "checkpoint step %d under %s is damaged, falling back to an older one (all ranks): %s",
+                manifest.step,
+                self.store.location,
+                why,
+            )
+            fallbacks.append((manifest.step, why))
+
+        apply_error: dict[str, object] | None = None
+        if apply is not None:
+            try:
+                apply(manifest, staged)  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001 - every rank raises below
+                log.error("rank %d failed to apply checkpoint step %d: %s", comm.rank, manifest.step, exc)
+                apply_error = encode_error(exc)
+        agree(
+            comm,
+            {"step": manifest.step, "attempt": manifest.attempt, "error": apply_error},
+            _decide_restored,
+            f"{self.label}(step={manifest.step}) agreement",
+        )
+        if self.metrics is not None:
+            self.metrics.record_restore(
+                manifest.step,
+                manifest.attempt,
+                seconds=time.monotonic() - started,
+                fell_back_from=fallbacks[0][0] if fallbacks else None,
+            )
+            self.metrics.record_restart(step=manifest.step, reason="resumed from a checkpoint")
+        log.info("restored checkpoint step %d from %s", manifest.step, self.store.location)
+        return Restored(manifest, staged, fallbacks)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ resolution (rank 0)
+
+    def _propose(
+        self, candidates: Iterator[Manifest] | None, step: int | None, fallbacks: list[tuple[int, str]]
+    ) -> Manifest | None:
+        """Rank 0 resolves the next checkpoint to try and sends its bytes; the others decode
+        and validate them (no request to the store)."""
+        comm = self.comm
+        proposal: dict[str, object] = {}
+        body: bytes | None = None
+        if comm.rank == 0:
+            try:
+                manifest = self._next(candidates, step, fallbacks)
+                if manifest is None:
+                    proposal = {"none": True}
+                else:
+                    body = manifest.encode()
+                    proposal = {"step": manifest.step}
+            except Exception as exc:  # noqa: BLE001 - raised on every rank
+                proposal = {"error": encode_error(exc)}
+        proposal = comm.broadcast(proposal, f"{self.label} proposal")
+        if "error" in proposal:
+            raise decode_error(proposal["error"])  # type: ignore[arg-type]
+        if proposal.get("none"):
+            return None
+        target = int(proposal["step"])  # type: ignore[call-overload]
+        data = comm.broadcast_bytes(body, f"{self.label}(step={target}) manifest")
+        # Every rank validates what it received (schema, keys, self-checksum): a manifest that
+        # was corrupted on the way is refused, never used.
+        return Manifest.decode(data, key=layout.manifest_key(target))
+
+    def _next(
+        self, candidates: Iterator[Manifest] | None, step: int | None, fallbacks: list[tuple[int, str]]
+    ) -> Manifest | None:
+        if step is not None:
+            if fallbacks:
+                return None  # unreachable: an explicit step raises instead of falling back
+            return self.reader.load(step)  # NoCheckpointError / ManifestError: raised everywhere
+        assert candidates is not None
+        manifest = next(candidates, None)
+        if manifest is not None:
+            return manifest
+        steps = self.reader.steps()
+        if fallbacks or steps:
+            detail = "; ".join(f"step {s}: {why}" for s, why in fallbacks) or (
+                "see the warnings logged by objckpt.reader"
+            )
+            raise NoCheckpointError(
+                f"{len(steps)} committed checkpoint(s) under {self.store.location} but none is usable ({detail})"
+            )
+        return None
+
+
+def _decide_handshake(hellos: list[dict[str, object]]) -> None:
+    for rank, h in enumerate(hellos):
+        if h.get("error"):
+            exc = decode_error(h["error"])  # type: ignore[arg-type]
+            raise with_rank(exc, rank) if rank else exc
+    steps = {h["step"] for h in hellos}
+    if len(steps) != 1:
+        detail = ", ".join(f"rank {r}: {h['step']}" for r, h in enumerate(hellos))
+        raise DistributedError(f"ranks asked to restore different steps ({detail})")
+
+
+def _decide_staging(results: list[dict[str, object]]) -> dict[str, object]:
+    for rank, r in enumerate(results):
+        if "fatal" in r:
+            raise with_rank(decode_error(r["fatal"]), rank)  # type: ignore[arg-type]
+    damaged = {str(rank): r["damaged"] for rank, r in enumerate(results) if "damaged" in r}
+    if damaged:
+        return {"damaged": damaged}
+    return {"ok": True}
+
+
+def _decide_restored(results: list[dict[str, object]]) -> int:
+    failed = {rank: r["error"] for rank, r in enumerate(results) if r.get("error")}
+    if failed:
+        rank, err = min(failed.items())
+        exc = decode_error(err)  # type: ignore[arg-type]
+        raise with_rank(exc, rank)
+    steps = {(r["step"], r["attempt"]) for r in results}
+    if len(steps) != 1:
+        detail = ", ".join(f"rank {i}: {r['step']}" for i, r in enumerate(results))
+        raise DistributedError(f"ranks restored different checkpoints ({detail}); refusing to resume")
+    return int(results[0]["step"])  # type: ignore[call-overload]
