@@ -67,7 +67,6 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(module), name)
 
 
-
 __all__ = [
     "BaseMetricsCallback",
     "CheckpointManager",

@@ -232,7 +232,7 @@ class CommitError(ObjckptError):
 
     def _after_wire(self) -> None:
         # JSON object keys are strings; ranks are ints
-        self.failures = {int(k): str(v) for k, v in dict(self.failures or {}).items()}
+        self.failures = {int(k): str(v) for k, v in dict(getattr(self, "failures", None) or {}).items()}
 
 
 class CommitConflict(CommitError):
@@ -315,7 +315,6 @@ def with_rank(exc: BaseException, rank: int) -> BaseException:
 _BUILTINS: dict[str, type[Exception]] = {
     "ValueError": ValueError,
     "TypeError": TypeError,
-    "KeyError": KeyError,
     "RuntimeError": RuntimeError,
 }
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from . import layout
+from .defaults import GC_GRACE_PERIOD
 from .errors import ManifestError, NoCheckpointError, NotFoundError, NotSupportedError
 from .manifest import Manifest
 from .reader import Reader
@@ -40,7 +41,7 @@ __all__ = [
 
 log = logging.getLogger("objckpt.gc")
 
-DEFAULT_GRACE_PERIOD = timedelta(hours=6)
+DEFAULT_GRACE_PERIOD = GC_GRACE_PERIOD
 
 
 @dataclass(frozen=True)
@@ -321,17 +322,3 @@ def retain(
     except Exception as exc:  # noqa: BLE001 - the save is committed whatever happens here
         log.warning("retention under %s failed (checkpoints are intact): %s", store.location, exc)
         return None
-
-
-def retain_after_commit(
-    store: Store,
-    *,
-    keep_last: int | None,
-    keep_every: int | None = None,
-    grace_period: timedelta = DEFAULT_GRACE_PERIOD,
-) -> GcResult | None:
-    """Transitional: :func:`retain` with keyword retention (removed once every adapter uses the
-    save session)."""
-    if keep_last is None:
-        return None
-    return retain(store, RetentionPolicy(keep_last=keep_last, keep_every=keep_every), grace_period=grace_period)

@@ -81,7 +81,7 @@ class Comm(ABC):
         collectives never interleave with the training thread's). Default: this one."""
         return self
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: most worlds hold nothing
         """Release what the communicator holds (process groups); idempotent."""
 
 

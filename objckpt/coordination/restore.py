@@ -42,6 +42,7 @@ from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store.base import Store
 from .comm import Comm, agree
+from .save import _check_same_root
 
 __all__ = ["RestoreSession", "Restored"]
 
@@ -123,7 +124,11 @@ class RestoreSession:
         """
         comm = self.comm
         started = time.monotonic()
-        hello = {"step": step, "error": encode_error(error) if error is not None else None}
+        hello = {
+            "step": step,
+            "root": self.store.location,
+            "error": encode_error(error) if error is not None else None,
+        }
         agree(comm, hello, _decide_handshake, f"{self.label} handshake", handshake=True)
 
         candidates: Iterator[Manifest] | None = None
@@ -143,7 +148,9 @@ class RestoreSession:
                     verdict = {"damaged": describe(exc)}
                 else:
                     verdict = {"fatal": encode_error(exc)}
-            outcome = agree(comm, verdict, _decide_staging, f"{self.label}(step={manifest.step}) verification")
+            outcome = agree(
+                comm, verdict, _decide_staging, f"{self.label}(step={manifest.step}) verification"
+            )
             if outcome.get("ok"):
                 break
             damaged = outcome["damaged"]
@@ -153,11 +160,13 @@ class RestoreSession:
                 self.metrics.record_validation_failure(why, step=manifest.step, key=manifest.key)
             if step is not None:  # an explicit step: no fallback
                 raise NoCheckpointError(
-                    f"checkpoint step {manifest.step} under {self.store.location} is damaged: {why}"
+                    f"checkpoint step {manifest.step} is damaged (under {self.store.location}): {why}"
                 )
             log.warning(
-                "checkpoint step %d under %s is damaged, falling back to an older one (all ranks): %s",
+                "rejecting checkpoint step %d (%s under %s): it is damaged; all ranks fall back to an "
+                "older one: %s",
                 manifest.step,
+                manifest.key,
                 self.store.location,
                 why,
             )
@@ -249,6 +258,7 @@ def _decide_handshake(hellos: list[dict[str, object]]) -> None:
     if len(steps) != 1:
         detail = ", ".join(f"rank {r}: {h['step']}" for r, h in enumerate(hellos))
         raise DistributedError(f"ranks asked to restore different steps ({detail})")
+    _check_same_root(hellos)
 
 
 def _decide_staging(results: list[dict[str, object]]) -> dict[str, object]:

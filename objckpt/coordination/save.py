@@ -99,6 +99,17 @@ class SaveTicket:
         return sum(r.size for r in self.receipts)
 
 
+def _check_same_root(hellos: list[dict[str, Any]]) -> None:
+    """Every rank must name the same run root: a rank writing elsewhere would commit a
+    checkpoint whose shards no reader finds."""
+    for rank, h in enumerate(hellos[1:], start=1):
+        if h.get("root") != hellos[0].get("root"):
+            raise DistributedError(
+                f"rank {rank} uses run root {h.get('root')!r} but rank 0 uses {hellos[0].get('root')!r}: "
+                "all ranks must be configured with the same run root"
+            )
+
+
 class SaveSession:
     """Saves checkpoints under one run root, on every rank of ``comm``.
 
@@ -179,6 +190,7 @@ class SaveSession:
             "error": encode_error(error) if error is not None else None,
             "pending": encode_error(pending) if pending is not None else None,
             "agree": dict(agree_on or {}),
+            "root": self.store.location,
             "attempt": layout.new_attempt_id() if comm.rank == 0 else None,
         }
 
@@ -223,6 +235,7 @@ class SaveSession:
         if len(steps) != 1:
             detail = ", ".join(f"rank {r}: {h['step']}" for r, h in enumerate(hellos))
             raise DistributedError(f"ranks called save with different steps ({detail})")
+        _check_same_root(hellos)
         first = hellos[0].get("agree") or {}
         for rank, h in enumerate(hellos[1:], start=1):
             mine = h.get("agree") or {}

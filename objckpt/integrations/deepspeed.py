@@ -48,12 +48,26 @@ from datetime import timedelta
 from typing import Any
 
 from .. import layout
-from ..errors import CommitError, DistributedError, NoCheckpointError
-from ..gc import retain_after_commit
+from ..coordination.comm import agree
+from ..coordination.restore import RestoreSession
+from ..coordination.roots import open_root
+from ..coordination.save import SaveSession, SaveTicket
+from ..defaults import GC_GRACE_PERIOD, HANDSHAKE_TIMEOUT, TIMEOUT
+from ..errors import (
+    ChecksumMismatchError,
+    CommitError,
+    DistributedError,
+    NoCheckpointError,
+    decode_error,
+    encode_error,
+    with_rank,
+)
+from ..gc import RetentionPolicy
 from ..manifest import Manifest
+from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store import Store
-from ..writer import ShardWriter
+from ..training.dist import LazyComm
 from . import _common
 
 try:
@@ -111,12 +125,13 @@ class _Save:
     tag: str
     save_dir: str
     save_latest: bool
-    step: int
-    attempt: str
-    writer: ShardWriter
-    errors: list[str] = field(default_factory=list)
+    ticket: SaveTicket
     uploads: list[Future[None]] = field(default_factory=list)
     info: Any = None
+
+    @property
+    def step(self) -> int:
+        return self.ticket.step
 
 
 class ObjckptCheckpointEngine(_Base):
@@ -148,13 +163,14 @@ class ObjckptCheckpointEngine(_Base):
         config_hash: str | None = None,
         step_of_tag: Callable[[str], int] = step_from_tag,
         safe_globals: Iterable[Any] = (),
-        timeout: float = 1800.0,
-        handshake_timeout: float = 300.0,
-        gc_grace_period: timedelta = timedelta(hours=6),
+        timeout: float = TIMEOUT,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        gc_grace_period: timedelta = GC_GRACE_PERIOD,
         spool_bytes: int = _common.DEFAULT_SPOOL_BYTES,
+        metrics: CheckpointMetrics | None = None,
     ) -> None:
         self.name = "ObjckptCheckpointEngine"
-        self.store = _common.open_root(uri_or_store, store_options)
+        self.store, _ = open_root(uri_or_store, store_options)
         self.reader = Reader(self.store)
         self.decoupled = decoupled
         self.keep_last = keep_last
@@ -165,7 +181,8 @@ class ObjckptCheckpointEngine(_Base):
         self.safe_globals = list(SAFE_GLOBALS) + list(safe_globals)
         self.gc_grace_period = gc_grace_period
         self.spool_bytes = spool_bytes
-        self._collective = _common.Collective(timeout=timeout, handshake_timeout=handshake_timeout)
+        self.metrics = metrics
+        self._comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
         self._pending: _Save | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -201,32 +218,53 @@ class ObjckptCheckpointEngine(_Base):
                 with self._lock:
                     self._pending = None
         tag = str(info.tag)
+        step: int | None = None
+        error: Exception | None = None
         try:
-            step, error = self.step_of_tag(tag), None
-        except Exception as exc:  # noqa: BLE001 - every rank raises the same error below
-            step, error = None, _common.error_report(exc)
-        comm = self._collective
-        hello = {
-            "tag": tag,
-            "step": step,
-            "error": error,
-            "attempt": layout.new_attempt_id() if comm.rank == 0 else None,
-        }
-        attempt = comm.agree(
-            hello, _decide_handshake, f"save_checkpoint(tag={tag}) handshake", handshake=True
+            step = self.step_of_tag(tag)
+        except Exception as exc:  # noqa: BLE001 - every rank raises the same error
+            error = CommitError(
+                f"DeepSpeed save not started: {_common_report(exc)}", {self._rank(): str(exc)}
+            )
+        ticket = self._session().begin(
+            step if step is not None else 0,
+            error=error,
+            agree_on={"DeepSpeed tag": tag},
         )
-        assert step is not None
-        writer = ShardWriter(self.store, step=step, attempt=attempt, rank=comm.rank)
         with self._lock:
             self._pending = _Save(
                 tag=tag,
                 save_dir=os.fspath(info.save_dir),
                 save_latest=bool(getattr(info, "save_latest", True)),
-                step=step,
-                attempt=attempt,
-                writer=writer,
+                ticket=ticket,
                 info=info,
             )
+
+    def _rank(self) -> int:
+        return self._comm.get().rank
+
+    def _session(self) -> SaveSession:
+        comm = self._comm.get()
+        session = getattr(self, "_saves", None)
+        if session is None or session.comm is not comm:
+            retention = (
+                RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
+                if self.keep_last is not None
+                else None
+            )
+            identity: dict[str, Any] = {}
+            if self.config_hash is not None:
+                identity["config_hash"] = self.config_hash
+            session = self._saves = SaveSession(
+                self.store,
+                comm,
+                retention=retention,
+                grace_period=self.gc_grace_period,
+                metrics=self.metrics,
+                identity=identity,
+                label="DeepSpeed save",
+            )
+        return session
 
     def save(self, state_dict: Any, path: str) -> None:
         """Serialize ``state_dict`` now and upload it (in the background when decoupled).
@@ -243,11 +281,11 @@ class ObjckptCheckpointEngine(_Base):
             )
         try:
             name = _shard_name(p, path)
-            layout.shard_key(p.step, p.attempt, 0, name)  # a portable name, or ValueError
+            layout.shard_key(p.step, p.ticket.attempt, 0, name)  # a portable name, or ValueError
             spool = _common.torch_save_spooled(state_dict, spool_bytes=self.spool_bytes)
         except Exception as exc:  # noqa: BLE001 - reported at commit
-            log.error("rank %d cannot save %s: %s", self._collective.rank, path, exc)
-            p.errors.append(f"{path}: {_common.error_report(exc)}")
+            log.error("rank %d cannot save %s: %s", p.ticket.rank, path, exc)
+            p.ticket.fail(f"{path}: {_common_report(exc)}")
             return
         if self.decoupled:
             with self._lock:
@@ -260,10 +298,11 @@ class ObjckptCheckpointEngine(_Base):
 
     def _upload(self, p: _Save, name: str, spool: Any) -> None:
         try:
-            p.writer.write(name, spool)
+            assert p.ticket.writer is not None
+            p.ticket.writer.write(name, spool)
         except Exception as exc:  # noqa: BLE001 - reported at commit
-            log.error("rank %d failed to upload %s: %s", p.writer.rank, name, exc)
-            p.errors.append(f"{name}: {_common.error_report(exc)}")
+            log.error("rank %d failed to upload %s: %s", p.ticket.rank, name, exc)
+            p.ticket.fail(f"{name}: {_common_report(exc)}")
         finally:
             spool.close()
 
@@ -279,53 +318,19 @@ class ObjckptCheckpointEngine(_Base):
         try:
             for upload in p.uploads:
                 upload.result()
-            if p.errors:
-                report: dict[str, Any] = {"error": "; ".join(p.errors)}
-            else:
-                report = {"receipts": [r.to_dict() for r in p.writer.receipts]}
-            step = self._collective.agree(
-                report,
-                lambda reports: self._commit_on_rank0(p, reports).step,
-                f"save_checkpoint(tag={p.tag}) commit",
+            manifest = self._session().finish(
+                p.ticket,
+                report={"files": [r.name for r in p.ticket.receipts]},
+                progress={"global_step": p.step},
+                topology={"deepspeed_files_per_rank": True},
+                metadata={**self.metadata, "integration": "deepspeed", "deepspeed": {"tag": p.tag}},
             )
         finally:
             with self._lock:
                 if self._pending is p:
                     self._pending = None
-        if self._collective.rank == 0:
-            self._retain()
-        log.info("committed DeepSpeed tag %s as step %d under %s", p.tag, step, self.store.location)
+        log.info("committed DeepSpeed tag %s as step %d under %s", p.tag, manifest.step, self.store.location)
         return True
-
-    def _commit_on_rank0(self, p: _Save, reports: list[Any]) -> Manifest:
-        files = {str(r): [d["name"] for d in rep.get("receipts", [])] for r, rep in enumerate(reports)}
-        try:
-            import deepspeed
-
-            version = getattr(deepspeed, "__version__", None)
-        except ImportError:  # pragma: no cover
-            version = None
-        run: dict[str, Any] = {"software": _common.software(deepspeed=version)}
-        if self.config_hash is not None:
-            run["config_hash"] = self.config_hash
-        return _common.commit_gathered(
-            self.store,
-            p.step,
-            p.attempt,
-            reports,
-            progress={"global_step": p.step},
-            run=run,
-            topology={"deepspeed_files": files},
-            metadata={**self.metadata, "integration": "deepspeed", "deepspeed": {"tag": p.tag}},
-        )
-
-    def _retain(self) -> None:
-        retain_after_commit(
-            self.store,
-            keep_last=self.keep_last,
-            keep_every=self.keep_every,
-            grace_period=self.gc_grace_period,
-        )
 
     def is_decoupled(self) -> bool:
         return self.decoupled
@@ -348,60 +353,59 @@ class ObjckptCheckpointEngine(_Base):
                 executor, self._executor = self._executor, None
             if executor is not None:
                 executor.shutdown(wait=True)
+            self._comm.close()  # the checkpoint groups; a later save or load creates new ones
 
     # ------------------------------------------------------------------ DeepSpeed API: loading
 
     def prepare_load(self, load_dir: str, tag: str | None = None) -> str | None:
         """Agree on a committed tag and lay out DeepSpeed's local view of it (every rank).
 
-        ``tag=None``: the newest committed checkpoint whose shards pass the HEAD check (falling
-        back to older ones with a warning). Writes ``load_dir/latest`` and an empty marker file
+        The restore session: rank 0 resolves ``tag`` (default: the newest committed checkpoint)
+        and sends its manifest to the others; every rank checks its shards (HEAD: present, same
+        size and version) and writes ``load_dir/latest`` and an empty marker file
         ``load_dir/<tag>/<name>`` per shard (DeepSpeed globs for them); :meth:`load` reads the
-        data from the store. Returns the tag, or None when nothing is committed.
+        data from the store. A damaged newest checkpoint makes every rank fall back together;
+        an outage is raised. Returns the tag, or None when nothing is committed.
 
         Raises (on every rank alike):
             NoCheckpointError: ``tag`` is not committed, is damaged, or is not a DeepSpeed
                 checkpoint.
         """
-        chosen = self._collective.agree(
-            None, lambda _: self._choose(tag), f"load_checkpoint(tag={tag}) resolution", handshake=True
-        )
-        if chosen is None:
-            return None
-        error: BaseException | None = None
-        try:
-            manifest = self.reader.load(int(chosen["step"]))
-            chosen_tag = _tag_of(manifest)
+        step = None
+        if tag is not None:
+            try:
+                step = self.step_of_tag(str(tag))
+            except ValueError as exc:
+                raise NoCheckpointError(f"DeepSpeed tag {tag!r} names no committed step: {exc}") from exc
+
+        def stage(manifest: Manifest) -> str:
+            chosen = _tag_of(manifest)  # NoCheckpointError (not damage): not a DeepSpeed checkpoint
+            if tag is not None and chosen != str(tag):
+                raise NoCheckpointError(
+                    f"step {manifest.step} under {self.store.location} holds DeepSpeed tag {chosen!r}, not {tag!r}"
+                )
+            problems = self.reader.check(manifest)
+            if problems:
+                raise ChecksumMismatchError(
+                    f"DeepSpeed tag {chosen} (step {manifest.step}) is damaged: "
+                    + "; ".join(map(str, problems)),
+                    location=self.store.location,
+                )
+            return chosen
+
+        def apply(manifest: Manifest, chosen: str) -> None:
             with self._lock:
-                self._manifests[chosen_tag] = manifest
-            folder = os.path.join(load_dir, chosen_tag)
+                self._manifests[chosen] = manifest
+            folder = os.path.join(load_dir, chosen)
             for receipt in manifest.shards:
                 marker = os.path.join(folder, *receipt.name.split("/"))
                 os.makedirs(os.path.dirname(marker), exist_ok=True)
                 open(marker, "ab").close()  # noqa: SIM115 - an empty marker; never overwrites
-            _write_atomic(os.path.join(load_dir, "latest"), chosen_tag)
-        except Exception as exc:  # noqa: BLE001 - every rank raises alike
-            error = exc
-        _common.agree_restored(
-            self._collective, chosen["step"], error, f"load_checkpoint(tag={chosen['tag']}) preparation"
-        )
-        return str(chosen["tag"])
+            _write_atomic(os.path.join(load_dir, "latest"), chosen)
 
-    def _choose(self, tag: str | None) -> dict[str, Any] | None:
-        if tag is None:
-            manifest = self.reader.latest_valid()
-            if manifest is None:
-                if self.reader.steps():
-                    raise NoCheckpointError(f"no valid checkpoint under {self.store.location}")
-                return None
-        else:
-            manifest = self._manifest_for_tag(str(tag))
-            problems = self.reader.check(manifest)
-            if problems:
-                raise NoCheckpointError(
-                    f"DeepSpeed tag {tag} (step {manifest.step}) is damaged: " + "; ".join(map(str, problems))
-                )
-        return {"step": manifest.step, "tag": _tag_of(manifest)}
+        session = RestoreSession(self.store, self._comm.get(), metrics=self.metrics, label="DeepSpeed load")
+        restored = session.restore(stage, apply, step=step)
+        return None if restored is None else restored.value
 
     def _manifest_for_tag(self, tag: str) -> Manifest:
         with self._lock:
@@ -462,37 +466,38 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, **kwargs
     chosen = ckpt.prepare_load(load_dir, tag)
     if chosen is None:
         return None, None
-    error: BaseException | None = None
+    error: dict[str, Any] | None = None
     result: tuple[Any, Any] = (None, None)
     try:
         result = engine.load_checkpoint(load_dir, chosen, **kwargs)
         if result[0] is None:
-            error = NoCheckpointError(f"DeepSpeed did not load tag {chosen} from {load_dir}")
+            raise NoCheckpointError(f"DeepSpeed did not load tag {chosen} from {load_dir}")
     except Exception as exc:  # noqa: BLE001 - every rank raises alike
-        error = exc
-    _common.agree_restored(
-        ckpt._collective, ckpt.step_of_tag(chosen), error, f"load_checkpoint(tag={chosen})"
+        error = encode_error(exc)
+    agree(
+        ckpt._comm.get(),
+        {"tag": chosen, "error": error},
+        _decide_loaded,
+        f"load_checkpoint(tag={chosen})",
     )
     return result
 
 
-# ---------------------------------------------------------------------------------- helpers
-
-
-def _decide_handshake(hellos: list[Any]) -> str:
-    errors = {r: h["error"] for r, h in enumerate(hellos) if h.get("error")}
-    if errors:
-        raise CommitError(
-            "DeepSpeed save not started: " + "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items())),
-            errors,
-        )
-    tags = {h["tag"] for h in hellos}
+def _decide_loaded(reports: list[dict[str, Any]]) -> str:
+    for rank, rep in enumerate(reports):
+        if rep.get("error"):
+            raise with_rank(decode_error(rep["error"]), rank)
+    tags = {rep["tag"] for rep in reports}
     if len(tags) != 1:
-        detail = ", ".join(f"rank {r}: {h['tag']!r}" for r, h in enumerate(hellos))
-        raise DistributedError(f"ranks save different DeepSpeed tags ({detail})")
-    attempt = hellos[0]["attempt"]
-    layout.check_attempt_id(attempt)
-    return str(attempt)
+        raise DistributedError(f"ranks loaded different DeepSpeed tags {sorted(tags)}")
+    return str(reports[0]["tag"])
+
+
+def _common_report(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# ---------------------------------------------------------------------------------- helpers
 
 
 def _shard_name(p: _Save, path: str) -> str:

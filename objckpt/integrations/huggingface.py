@@ -42,13 +42,17 @@ from datetime import timedelta
 from typing import Any
 
 from .. import layout
-from ..errors import CommitError, DistributedError, NoCheckpointError
-from ..gc import retain_after_commit
+from ..coordination.restore import RestoreSession
+from ..coordination.roots import open_root
+from ..coordination.save import SaveSession
+from ..defaults import GC_GRACE_PERIOD, HANDSHAKE_TIMEOUT, TIMEOUT
+from ..errors import CommitError, NoCheckpointError
+from ..gc import RetentionPolicy
 from ..manifest import Manifest
+from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store import Store
-from ..writer import ShardWriter
-from . import _common
+from ..training.dist import LazyComm
 
 try:
     from transformers import TrainerCallback as _Base
@@ -104,11 +108,12 @@ class ObjckptCallback(_Base):
         metadata: Mapping[str, Any] | None = None,
         config_hash: str | None = None,
         owner_of: Callable[[str, int], int] = default_owner,
-        timeout: float = 1800.0,
-        handshake_timeout: float = 300.0,
-        gc_grace_period: timedelta = timedelta(hours=6),
+        timeout: float = TIMEOUT,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        gc_grace_period: timedelta = GC_GRACE_PERIOD,
+        metrics: CheckpointMetrics | None = None,
     ) -> None:
-        self.store = _common.open_root(uri_or_store, store_options)
+        self.store, _ = open_root(uri_or_store, store_options)
         self.reader = Reader(self.store)
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -116,75 +121,64 @@ class ObjckptCallback(_Base):
         self.config_hash = config_hash
         self.owner_of = owner_of
         self.gc_grace_period = gc_grace_period
-        self._collective = _common.Collective(timeout=timeout, handshake_timeout=handshake_timeout)
+        self.metrics = metrics
+        self._comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
         #: the manifest of the last commit (every rank)
         self.last_manifest: Manifest | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Create the checkpoint process groups now, while every rank is at the same point.
-        _ = self._collective.comm
+        self._comm.get()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._comm.close()  # released while every rank is here; a later train() makes new ones
+
+    def _session(self) -> SaveSession:
+        comm = self._comm.get()
+        session = getattr(self, "_saves", None)
+        if session is None or session.comm is not comm:
+            retention = (
+                RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
+                if self.keep_last is not None
+                else None
+            )
+            identity = {"config_hash": self.config_hash} if self.config_hash is not None else {}
+            session = self._saves = SaveSession(
+                self.store,
+                comm,
+                retention=retention,
+                grace_period=self.gc_grace_period,
+                metrics=self.metrics,
+                identity=identity,
+                label="Trainer save",
+            )
+        return session
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Upload this rank's files of ``checkpoint-<global_step>`` and commit (every rank)."""
         step = int(state.global_step)
         folder_name = f"{CHECKPOINT_PREFIX}-{step}"
         folder = os.path.join(args.output_dir, folder_name)
-        comm = self._collective
-        hello = {"step": step, "attempt": layout.new_attempt_id() if comm.rank == 0 else None}
-        attempt = comm.agree(hello, _decide_handshake, f"on_save(step={step}) handshake", handshake=True)
+        session = self._session()
+        ticket = session.begin(step)
+        seen: list[str] = []
         try:
-            writer = ShardWriter(self.store, step=step, attempt=attempt, rank=comm.rank)
             seen = _files_under(folder)
             for relpath in seen:
-                if self.owner_of(relpath, comm.world_size) == comm.rank:
+                if self.owner_of(relpath, ticket.world_size) == ticket.rank:
                     with open(os.path.join(folder, *relpath.split("/")), "rb") as fh:
-                        writer.write(relpath, fh)
-            report: dict[str, Any] = {"receipts": [r.to_dict() for r in writer.receipts], "seen": seen}
+                        assert ticket.writer is not None
+                        ticket.writer.write(relpath, fh)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, raised on every rank
-            log.error("rank %d failed to upload %s: %s", comm.rank, folder, exc)
-            report = {"error": _common.error_report(exc)}
-
-        def commit(reports: list[Any]) -> str:
-            _check_coverage(step, reports)
-            manifest = _common.commit_gathered(
-                self.store,
-                step,
-                attempt,
-                reports,
-                progress={"global_step": step, "epoch": state.epoch},
-                run=self._run_identity(),
-                topology={"owner": "rng_state_<r>.pth: rank r; other files: rank 0"},
-                metadata={
-                    **self.metadata,
-                    "integration": "huggingface",
-                    "huggingface": {"folder": folder_name},
-                },
-            )
-            return manifest.encode().decode("utf-8")
-
-        encoded = comm.agree(report, commit, f"on_save(step={step}) commit")
-        self.last_manifest = Manifest.decode(encoded.encode("utf-8"), key=layout.manifest_key(step))
-        if comm.rank == 0:
-            self._retain()
-
-    def _run_identity(self) -> dict[str, Any]:
-        try:
-            import transformers
-
-            version = transformers.__version__
-        except ImportError:  # pragma: no cover
-            version = None
-        run: dict[str, Any] = {"software": _common.software(transformers=version)}
-        if self.config_hash is not None:
-            run["config_hash"] = self.config_hash
-        return run
-
-    def _retain(self) -> None:
-        retain_after_commit(
-            self.store,
-            keep_last=self.keep_last,
-            keep_every=self.keep_every,
-            grace_period=self.gc_grace_period,
+            log.error("rank %d failed to upload %s: %s", ticket.rank, folder, exc)
+            ticket.fail(exc)
+        self.last_manifest = session.finish(
+            ticket,
+            report={"seen": seen},
+            check_reports=lambda reports: _check_coverage(step, reports),
+            progress={"global_step": step, "epoch": state.epoch},
+            topology={"owner": "rng_state_<r>.pth: rank r; other files: rank 0"},
+            metadata={**self.metadata, "integration": "huggingface", "huggingface": {"folder": folder_name}},
         )
 
 
@@ -228,16 +222,6 @@ def _check_coverage(step: int, reports: list[Any]) -> None:
         )
 
 
-def _decide_handshake(hellos: list[Any]) -> str:
-    steps = {h["step"] for h in hellos}
-    if len(steps) != 1:
-        detail = ", ".join(f"rank {r}: {h['step']}" for r, h in enumerate(hellos))
-        raise DistributedError(f"ranks save different steps ({detail})")
-    attempt = hellos[0]["attempt"]
-    layout.check_attempt_id(attempt)
-    return str(attempt)
-
-
 # ---------------------------------------------------------------------------------- resume
 
 
@@ -248,14 +232,16 @@ def download_checkpoint(
     step: int | None = None,
     store_options: Mapping[str, Any] | None = None,
     shared_dir: bool = False,
-    timeout: float = 1800.0,
-    handshake_timeout: float = 300.0,
+    timeout: float = TIMEOUT,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
 ) -> str | None:
     """Download a committed Trainer checkpoint into ``<local_dir>/checkpoint-<step>/`` (every
     rank) and return that folder, for ``trainer.train(resume_from_checkpoint=...)``.
 
-    Rank 0 picks the checkpoint (``step``, else the newest whose shards pass the HEAD check,
-    falling back to older ones with a warning) and tells the others. Each file is streamed to a
+    The restore session: rank 0 resolves the checkpoint (``step``, else the newest committed) and
+    sends its manifest to the others; if any rank finds it damaged while downloading, every rank
+    falls back to an older one together, with a warning (an outage is raised, never a reason to
+    fall back). Each file is streamed to a
     temporary name, its size and CRC32C verified, then renamed into place, so a folder never
     holds a partial or unverified file. ``shared_dir=True``: ``local_dir`` is one folder all ranks
     see, so only rank 0 downloads (the others wait). Call it after the process group is up
@@ -266,46 +252,34 @@ def download_checkpoint(
     Raises (on every rank alike):
         NoCheckpointError: ``step`` is not committed or is damaged, or checkpoints exist but none
             is usable.
-        DistributedError: a rank failed to download (the message names it and why).
+        StoreError: the store could not be read (after the retry budget).
+        DistributedError: ranks disagree or a rank is missing.
     """
-    store = _common.open_root(uri_or_store, store_options)
+    store, _ = open_root(uri_or_store, store_options)
     reader = Reader(store)
-    collective = _common.Collective(timeout=timeout, handshake_timeout=handshake_timeout)
+    comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
     try:
-        chosen = collective.agree(
-            None, lambda _: _choose(reader, step), "download_checkpoint resolution", handshake=True
-        )
-        if chosen is None:
+        session = RestoreSession(store, comm.get(), label="download_checkpoint")
+        local = os.fspath(local_dir)
+
+        def stage(manifest: Manifest) -> str:
+            folder = os.path.join(local, _trainer_folder(manifest))
+            if session.comm.rank == 0 or not shared_dir:
+                _download(reader, manifest, folder)  # verified; damage falls back, all ranks
+            return folder
+
+        restored = session.restore(stage, step=step)
+        if restored is None:
             return None
-        folder = os.path.join(os.fspath(local_dir), chosen["folder"])
-        error: BaseException | None = None
-        if collective.rank == 0 or not shared_dir:
-            try:
-                manifest = reader.load(int(chosen["step"]))
-                _download(reader, manifest, folder)
-            except Exception as exc:  # noqa: BLE001 - every rank raises alike
-                error = exc
-        _common.agree_restored(
-            collective, chosen["step"], error, f"download_checkpoint(step={chosen['step']})"
-        )
-        log.info("downloaded checkpoint step %s from %s to %s", chosen["step"], store.location, folder)
-        return folder
+        log.info("downloaded checkpoint step %s from %s to %s", restored.step, store.location, restored.value)
+        return restored.value
     finally:
-        collective.close()
+        comm.close()
 
 
-def _choose(reader: Reader, step: int | None) -> dict[str, Any] | None:
-    if step is None:
-        manifest = reader.latest_valid()
-        if manifest is None:
-            if reader.steps():
-                raise NoCheckpointError(f"no valid checkpoint under {reader.store.location}")
-            return None
-    else:
-        manifest = reader.load(step)
-        problems = reader.check(manifest)
-        if problems:
-            raise NoCheckpointError(f"checkpoint step {step} is damaged: " + "; ".join(map(str, problems)))
+def _trainer_folder(manifest: Manifest) -> str:
+    """The Trainer folder a committed checkpoint holds (NoCheckpointError, not damage, for a
+    checkpoint of another kind: falling back past it would silently restore older state)."""
     info = manifest.metadata.get("huggingface")
     if not isinstance(info, dict) or not isinstance(info.get("folder"), str):
         raise NoCheckpointError(
@@ -314,7 +288,7 @@ def _choose(reader: Reader, step: int | None) -> dict[str, Any] | None:
     folder = info["folder"]
     if folder != f"{CHECKPOINT_PREFIX}-{manifest.step}":
         raise NoCheckpointError(f"step {manifest.step}: unexpected folder name {folder!r} in {manifest.key}")
-    return {"step": manifest.step, "folder": folder}
+    return folder
 
 
 def _download(reader: Reader, manifest: Manifest, folder: str) -> None:

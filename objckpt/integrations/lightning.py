@@ -39,11 +39,18 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CommitConflict, IntegrityError, NoCheckpointError, StoreError
+from ..coordination.comm import Comm, LocalComm
+from ..coordination.restore import RestoreSession
+from ..coordination.roots import open_root
+from ..coordination.save import SaveSession
+from ..defaults import HANDSHAKE_TIMEOUT, TIMEOUT
+from ..errors import CommitConflict, NoCheckpointError, StoreError
 from ..gc import RetentionPolicy, plan_gc, run_gc
 from ..manifest import Manifest
+from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store import Store
+from ..training.dist import LazyComm, world
 from . import _common
 
 try:  # the unified package first, then the standalone pytorch_lightning's fabric
@@ -98,17 +105,24 @@ class ObjckptCheckpointIO(_CheckpointIO):
         metadata: Mapping[str, Any] | None = None,
         config_hash: str | None = None,
         collective_load: bool | None = None,
-        timeout: float = 1800.0,
-        handshake_timeout: float = 300.0,
+        timeout: float = TIMEOUT,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        metrics: CheckpointMetrics | None = None,
     ) -> None:
         super().__init__()
-        self.store = _common.open_root(uri_or_store, store_options)
+        self.store, _ = open_root(uri_or_store, store_options)
         self.uri = uri_or_store if isinstance(uri_or_store, str) else None
         self.reader = Reader(self.store)
         self.metadata = dict(metadata or {})
         self.config_hash = config_hash
         self.collective_load = collective_load
-        self._collective = _common.Collective(timeout=timeout, handshake_timeout=handshake_timeout)
+        self.metrics = metrics
+        self._comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
+        identity = {"config_hash": config_hash} if config_hash is not None else {}
+        # Lightning saves on global rank 0 only: a one-process save session
+        self._saves = SaveSession(
+            self.store, LocalComm(), metrics=metrics, identity=identity, label="Lightning save"
+        )
         self._lock = threading.RLock()
         #: steps this process committed or loaded: a second save of one is a no-op
         self._known: set[int] = set()
@@ -163,15 +177,14 @@ class ObjckptCheckpointIO(_CheckpointIO):
             self._saving += 1
         try:
             encoded = serialization.encode(checkpoint)
-            _, world = _common.dist_world()
+            _, world_size = world()
             try:
                 _common.commit_single_writer(
                     self.store,
                     step,
                     [(SHARD_NAME, encoded)],
                     progress={"global_step": step, "epoch": checkpoint.get("epoch")},
-                    run=self._run_identity(),
-                    topology={"writer": "global rank 0", "training_world_size": world},
+                    topology={"writer": "global rank 0", "training_world_size": world_size},
                     metadata={
                         **self.metadata,
                         "integration": "lightning",
@@ -181,6 +194,7 @@ class ObjckptCheckpointIO(_CheckpointIO):
                             "version": checkpoint.get("pytorch-lightning_version"),
                         },
                     },
+                    session=self._saves,
                 )
             except CommitConflict as exc:
                 raise CommitConflict(
@@ -195,18 +209,6 @@ class ObjckptCheckpointIO(_CheckpointIO):
             with self._lock:
                 self._saving -= 1
         self._collect_pending()
-
-    def _run_identity(self) -> dict[str, Any]:
-        try:
-            import lightning
-
-            version = getattr(lightning, "__version__", None)
-        except ImportError:  # pragma: no cover
-            version = None
-        run: dict[str, Any] = {"software": _common.software(lightning=version)}
-        if self.config_hash is not None:
-            run["config_hash"] = self.config_hash
-        return run
 
     # ------------------------------------------------------------------ load
 
@@ -225,47 +227,25 @@ class ObjckptCheckpointIO(_CheckpointIO):
         """
         if map_location is not None and (callable(map_location) or isinstance(map_location, dict)):
             raise TypeError("ObjckptCheckpointIO.load_checkpoint: map_location must be None or a device")
-        step: int | None = None
-        error: BaseException | None = None
-        checkpoint: dict[str, Any] | None = None
-        try:
-            manifest, checkpoint = self._load(path)
-            step = manifest.step
-        except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
-            error = exc
-        if self._collective_enabled():
-            _common.agree_restored(self._collective, step, error, f"load_checkpoint({path})")
-        elif error is not None:
-            raise error
-        assert checkpoint is not None and step is not None
-        with self._lock:
-            self._known.add(step)
-            self._names[os.path.basename(os.fspath(path))] = step
-        return _common.move_to(checkpoint, map_location)
-
-    def _collective_enabled(self) -> bool:
-        if self.collective_load is False:
-            return False
-        _, world = _common.dist_world()
-        return world > 1
-
-    def _load(self, path: Any) -> tuple[Manifest, dict[str, Any]]:
         kind, value = self._resolve(path)
-        if kind == "latest":
-            return self.reader.restore(self._decode)
-        manifest = self.reader.load(value) if kind == "step" else self._find_by_name(value)
-        problems = self.reader.check(manifest)
-        if problems:
-            raise NoCheckpointError(
-                f"Lightning checkpoint {path!s} (step {manifest.step}) is damaged: "
-                + "; ".join(str(p) for p in problems)
-            )
-        try:
-            return manifest, self._decode(manifest)
-        except (IntegrityError, StoreError) as exc:
-            raise NoCheckpointError(
-                f"Lightning checkpoint {path!s} (step {manifest.step}) is damaged: {exc}"
-            ) from exc
+        if kind == "name":
+            value = self._find_by_name(value).step
+        session = RestoreSession(self.store, self._load_comm(), metrics=self.metrics, label="Lightning load")
+        restored = session.restore(self._decode, step=None if kind == "latest" else int(value))
+        if restored is None:
+            raise NoCheckpointError(f"no committed Lightning checkpoint under {self.store.location}")
+        with self._lock:
+            self._known.add(restored.step)
+            self._names[os.path.basename(os.fspath(path))] = restored.step
+        return _common.move_to(restored.value, map_location)
+
+    def _load_comm(self) -> Comm:
+        """The restore session's world: every rank when ``collective_load`` (Lightning's resume
+        calls ``load_checkpoint`` on every rank), else this process alone."""
+        if self.collective_load is False:
+            return LocalComm()
+        _, world_size = world()
+        return self._comm.get() if world_size > 1 else LocalComm()
 
     def _resolve(self, path: Any) -> tuple[str, Any]:
         text = os.fspath(path)
@@ -377,4 +357,4 @@ class ObjckptCheckpointIO(_CheckpointIO):
         try:
             self._collect_pending()
         finally:
-            self._collective.close()
+            self._comm.close()

@@ -1,4 +1,5 @@
-"""Collectives for the checkpoint protocol, on dedicated gloo groups with timeouts.
+"""The torch.distributed :class:`~objckpt.coordination.comm.Comm`: collectives for the checkpoint
+protocol on dedicated gloo groups with timeouts.
 
 Why dedicated groups: a save's collectives must never interleave with the training group's (a
 background save, or a save on some ranks only, would otherwise deadlock or corrupt training
@@ -14,87 +15,40 @@ Two groups are created, because they wait for different things:
   ranks wait for the slowest rank's transfer.
 
 With ``background=True`` a third group (``timeout``) is created for the background thread of
-asynchronous saves (:meth:`Comm.background`). Collectives on one gloo group must be issued in
-the same order on every rank; a thread that shares a group with another thread cannot promise
-that, so the background thread owns its group exclusively, and the training thread never
-touches it.
+asynchronous saves (:meth:`DistComm.background`). Collectives on one gloo group must be issued
+in the same order on every rank; a thread that shares a group with another thread cannot promise
+that, so the background thread owns its group exclusively.
 
 Payloads are JSON bytes sent as uint8 tensors (never pickle). After any collective failure the
 groups may hold half-finished messages, so the communicator marks itself broken and every later
 call raises at once: restart the job (torchrun does).
+
+Groups still open when the interpreter exits are destroyed by an ``atexit`` handler: a
+``ProcessGroupGloo`` torn down during interpreter finalisation can abort the process
+(``terminate called without an active exception``) after the work itself succeeded.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
+from ..coordination.comm import Comm, LocalComm
+from ..defaults import HANDSHAKE_TIMEOUT, TIMEOUT
 from ..errors import DistributedError
 
-__all__ = ["Comm", "DistComm", "LocalComm", "make_comm"]
+__all__ = ["DistComm", "make_comm"]
+
+log = logging.getLogger("objckpt.training")
 
 T = TypeVar("T")
-
-
-class Comm:
-    """What the manager needs from the process world. :class:`LocalComm` is the 1-process one."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    def gather(self, obj: Any, what: str, *, handshake: bool = False) -> list[Any] | None:
-        """Every rank's JSON-able ``obj`` on rank 0 (rank order); None on other ranks."""
-        raise NotImplementedError
-
-    def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
-        """Rank 0's JSON-able ``obj`` on every rank (the argument is ignored elsewhere)."""
-        raise NotImplementedError
-
-    def agree(self, obj: Any, decide: Callable[[list[Any]], T], what: str, *, handshake: bool = False) -> T:
-        """Gather ``obj`` to rank 0, run ``decide(all_objs)`` there, broadcast the result.
-
-        Every rank returns the same value, or raises the same error: an exception raised by
-        ``decide`` is sent to every rank and re-raised there as the same type with the same
-        message (for objckpt error types; others become :class:`DistributedError`).
-        """
-        gathered = self.gather(obj, what, handshake=handshake)
-        outcome: dict[str, Any]
-        if self.rank == 0:
-            assert gathered is not None
-            try:
-                outcome = {"ok": decide(gathered)}
-            except Exception as exc:  # noqa: BLE001 - shipped to every rank, re-raised there
-                outcome = {"error": encode_error(exc)}
-        else:
-            outcome = {}
-        outcome = self.broadcast(outcome, what, handshake=handshake)
-        if "error" in outcome:
-            raise decode_error(outcome["error"])
-        return outcome["ok"]
-
-    def background(self) -> Comm:
-        """The communicator reserved for the background save thread (its own group)."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class LocalComm(Comm):
-    """One process: every collective is the identity."""
-
-    def background(self) -> Comm:
-        return self
-
-    def gather(self, obj: Any, what: str, *, handshake: bool = False) -> list[Any] | None:
-        return [json.loads(json.dumps(obj))]
-
-    def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
-        return json.loads(json.dumps(obj))
 
 
 class DistComm(Comm):
@@ -103,37 +57,62 @@ class DistComm(Comm):
 
     Construction calls ``torch.distributed.new_group`` twice (three times with ``background``):
     it is itself a collective on the default group, so every rank must construct it, in the
-    same order, with the same ``background``.
+    same order, with the same ``background``. With ``ranks`` (the members of a subgroup, e.g. a
+    DCP ``process_group``) the groups span only those ranks, only they construct it, and
+    ``rank``/``world_size`` are the ranks within them.
     """
 
-    def __init__(self, *, timeout: float, handshake_timeout: float, background: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float = TIMEOUT,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        background: bool = False,
+        ranks: list[int] | None = None,
+    ) -> None:
         dist = torch.distributed
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        members = sorted(ranks) if ranks is not None else None
+        self.rank = dist.get_rank() if members is None else members.index(dist.get_rank())
+        self.world_size = dist.get_world_size() if members is None else len(members)
+        local = {"ranks": members, "use_local_synchronization": True} if members is not None else {}
         self.timeout = timeout
         self.handshake_timeout = handshake_timeout
         self._broken: str | None = None
+        self._owner = True
+        self._background_view: DistComm | None = None
+        self._background_group: Any = None
         try:
-            self._handshake = dist.new_group(backend="gloo", timeout=timedelta(seconds=handshake_timeout))
-            self._data = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-            self._background: Any = None
+            self._handshake: Any = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=handshake_timeout), **local
+            )
+            self._data: Any = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout), **local)
             if background:
-                self._background = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+                self._background_group = dist.new_group(
+                    backend="gloo", timeout=timedelta(seconds=timeout), **local
+                )
         except Exception as exc:
             raise DistributedError(
                 f"cannot create the checkpoint process groups (gloo) on rank {self.rank}: {exc}"
             ) from exc
+        _track(self)
 
     def _group(self, handshake: bool) -> Any:
         return self._handshake if handshake else self._data
 
     def background(self) -> Comm:
-        if self._background is None:
+        if self._background_group is None:
             raise DistributedError("this communicator was created without a background group")
-        view = getattr(self, "_background_view", None)
-        if view is None:
-            view = self._background_view = _BackgroundComm(self)
-        return view
+        if self._background_view is None:
+            view = DistComm.__new__(DistComm)
+            view.rank, view.world_size = self.rank, self.world_size
+            view.timeout = view.handshake_timeout = self.timeout
+            view._broken = None  # its own state: a failure there says nothing about our groups
+            view._owner = False  # the owner destroys the group
+            view._background_view = None
+            view._background_group = None
+            view._handshake = view._data = self._background_group
+            self._background_view = view
+        return self._background_view
 
     def _run(self, what: str, handshake: bool, fn: Callable[[], T]) -> T:
         if self._broken is not None:
@@ -168,7 +147,7 @@ class DistComm(Comm):
             if data:
                 buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             bufs = [torch.empty_like(buf) for _ in range(self.world_size)] if self.rank == 0 else None
-            dist.gather(buf, bufs, dst=0, group=group)
+            dist.gather(buf, bufs, group=group, group_dst=0)
             if bufs is None:
                 return None
             out = []
@@ -180,57 +159,50 @@ class DistComm(Comm):
 
         return self._run(what, handshake, go)
 
-    def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
+    def _broadcast_raw(self, data: bytes, what: str, handshake: bool) -> bytes:
         group = self._group(handshake)
 
-        def go() -> Any:
+        def go() -> bytes:
             dist = torch.distributed
-            data = json.dumps(obj, separators=(",", ":")).encode("utf-8") if self.rank == 0 else b""
             size = torch.tensor([len(data)], dtype=torch.int64)
-            dist.broadcast(size, src=0, group=group)
+            dist.broadcast(size, group=group, group_src=0)
             buf = torch.empty(int(size.item()), dtype=torch.uint8)
             if self.rank == 0 and data:
                 buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            dist.broadcast(buf, src=0, group=group)
-            return json.loads(bytes(buf.numpy()).decode("utf-8"))
+            if buf.numel():
+                dist.broadcast(buf, group=group, group_src=0)
+            return bytes(buf.numpy())
 
         return self._run(what, handshake, go)
 
+    def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
+        data = json.dumps(obj, separators=(",", ":")).encode("utf-8") if self.rank == 0 else b""
+        return json.loads(self._broadcast_raw(data, what, handshake).decode("utf-8"))
+
+    def broadcast_bytes(self, data: bytes | None, what: str) -> bytes:
+        if self.rank == 0 and data is None:
+            raise DistributedError(f"{what}: rank 0 has no bytes to send")
+        return self._broadcast_raw(bytes(data or b"") if self.rank == 0 else b"", what, False)
+
     def close(self) -> None:
+        """Destroy the gloo groups (owner only); idempotent, never raises."""
+        if not self._owner:
+            return
+        _untrack(self)
         dist = torch.distributed
-        groups = ("_handshake", "_data", "_background")
-        for group in (getattr(self, name, None) for name in groups):
+        groups = [self._handshake, self._data, self._background_group]
+        self._handshake = self._data = self._background_group = None
+        for group in groups:
             if group is not None and dist.is_initialized():
                 try:
                     dist.destroy_process_group(group)
-                except Exception:  # noqa: BLE001 - best effort at shutdown
-                    pass
+                except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                    log.debug("could not destroy a checkpoint process group: %s", exc)
 
 
-class _BackgroundComm(DistComm):
-    """The owner's background group used for every collective (gather, broadcast, agree).
-
-    Its own ``_broken`` state: a failure here says nothing about the owner's groups' message
-    order. Closing it is a no-op; the owner destroys the group.
-    """
-
-    def __init__(self, owner: DistComm) -> None:  # no new_group: not a collective
-        self.rank = owner.rank
-        self.world_size = owner.world_size
-        self.timeout = owner.timeout
-        self.handshake_timeout = owner.timeout
-        self._broken = None
-        self._handshake = self._data = owner._background
-        self._background = None
-
-    def background(self) -> Comm:
-        return self
-
-    def close(self) -> None:
-        pass
-
-
-def make_comm(*, timeout: float, handshake_timeout: float, background: bool = False) -> Comm:
+def make_comm(
+    *, timeout: float = TIMEOUT, handshake_timeout: float = HANDSHAKE_TIMEOUT, background: bool = False
+) -> Comm:
     """A :class:`DistComm` when torch.distributed is initialised with more than one rank, else a
     :class:`LocalComm`. ``background``: also create the group of :meth:`Comm.background` (a
     collective on the default group: pass the same value on every rank)."""
@@ -240,55 +212,97 @@ def make_comm(*, timeout: float, handshake_timeout: float, background: bool = Fa
     return LocalComm()
 
 
-# ---------------------------------------------------------------------------------- errors
+_shared: dict[tuple[int, tuple[int, ...]], tuple[Any, DistComm]] = {}
+_shared_lock = threading.Lock()
 
 
-def encode_error(exc: BaseException) -> dict[str, Any]:
-    """A JSON description of an error, so every rank can raise the same one."""
-    out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        out["failures"] = {str(k): str(v) for k, v in failures.items()}
-    return out
+def shared_comm(process_group: Any = None) -> Comm:
+    """The checkpoint communicator for ``process_group`` (default: the whole job), created once
+    per process and group and reused by every later call: for stateless APIs (``load_sharded``)
+    that must not create process groups on every call. Every member rank must make the first call
+    together. Closed at exit."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return LocalComm()
+    ranks = None if process_group is None else list(dist.get_process_group_ranks(process_group))
+    size = dist.get_world_size() if ranks is None else len(ranks)
+    if size == 1:
+        return LocalComm()
+    default = dist.distributed_c10d._get_default_group()
+    key = (id(default), tuple(ranks or ()))
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is not None and entry[0] is default and entry[1]._data is not None:
+            return entry[1]
+        comm = DistComm(ranks=ranks)
+        # keep the default group referenced with it: a re-initialised job gets new groups
+        _shared[key] = (default, comm)
+        return comm
 
 
-def decode_error(d: dict[str, Any]) -> Exception:
-    """Rebuild an error sent by :func:`encode_error`: objckpt's own types and ValueError /
-    TypeError by name (an allow-list, nothing is imported or evaluated); anything else becomes a
-    :class:`DistributedError` carrying the original type name and message."""
-    from .. import errors
-    from . import serialization, staging, state
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the initialised default process group, else ``(0, 1)``."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
-    allowed: dict[str, type[Exception]] = {name: getattr(errors, name) for name in errors.__all__}
-    allowed["TrainingStateError"] = state.TrainingStateError
-    allowed["SerializationError"] = serialization.SerializationError
-    allowed["UnsupportedStateError"] = serialization.UnsupportedStateError
-    allowed["StagingBudgetError"] = staging.StagingBudgetError
-    allowed["SaveAbandonedError"] = staging.SaveAbandonedError
-    allowed["ValueError"] = ValueError  # e.g. an invalid step number
-    allowed["TypeError"] = TypeError
-    cls = allowed.get(d.get("type", ""), None)
-    message = str(d.get("message", ""))
-    if cls is None:
-        return DistributedError(f"{d.get('type')}: {message}")
-    if issubclass(cls, errors.CommitError):
-        exc = cls.__new__(cls)
-        failures = {int(k): v for k, v in (d.get("failures") or {}).items()}
-        # keep the exact message rank 0 produced (it already lists the failures)
-        errors.ObjckptError.__init__(exc, message)
-        exc.failures = failures
-        return exc
-    if issubclass(cls, errors.StoreError):
-        exc = cls.__new__(cls)
-        errors.ObjckptError.__init__(exc, message)
-        exc.key, exc.location, exc.operation = "", "", ""
-        return exc
-    if issubclass(cls, errors.ChecksumMismatchError) or issubclass(cls, errors.ManifestError):
-        exc = cls.__new__(cls)
-        errors.ObjckptError.__init__(exc, message)
-        exc.key, exc.location = "", ""
-        return exc
-    try:
-        return cls(message)
-    except Exception:  # noqa: BLE001
-        return DistributedError(f"{d.get('type')}: {message}")
+
+class LazyComm:
+    """A communicator created on first use (creating one is a collective on the default group,
+    so the first call that needs it must be made by every rank), released by :meth:`close` and
+    created anew by a later use. For plug-ins whose framework calls them at points where every
+    rank is present, but not at construction."""
+
+    def __init__(self, *, timeout: float = TIMEOUT, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        self.timeout = timeout
+        self.handshake_timeout = handshake_timeout
+        self._comm: Comm | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Comm:
+        with self._lock:
+            if self._comm is None:
+                self._comm = make_comm(timeout=self.timeout, handshake_timeout=self.handshake_timeout)
+            return self._comm
+
+    def close(self) -> None:
+        with self._lock:
+            comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()
+
+
+# ---------------------------------------------------------------------------------- exit safety
+
+_open: dict[int, DistComm] = {}
+_open_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _track(comm: DistComm) -> None:
+    global _atexit_registered
+    with _open_lock:
+        _open[id(comm)] = comm
+        if not _atexit_registered:
+            atexit.register(_close_all)
+            _atexit_registered = True
+
+
+def _untrack(comm: DistComm) -> None:
+    with _open_lock:
+        _open.pop(id(comm), None)
+
+
+def _close_all() -> None:
+    """``atexit``: destroy the gloo groups of every communicator still open, while the
+    interpreter is whole (it runs before handlers registered earlier, such as one that destroys
+    the default group)."""
+    with _open_lock:
+        comms = list(_open.values())
+        _open.clear()
+    for comm in comms:
+        try:
+            comm.close()
+        except Exception as exc:  # noqa: BLE001 - best effort at exit
+            log.debug("closing objckpt's checkpoint process groups at exit failed: %s", exc)

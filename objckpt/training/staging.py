@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import SaveAbandonedError, StagingBudgetError
+from ..tree import leaves, map_tree
 
 try:  # numpy is optional, as in serialization
     import numpy as np
@@ -73,21 +73,12 @@ class StagingPlan:
         for tree in self.trees:
             self._walk(tree)
 
-    def _walk(self, node: Any) -> None:
-        if _is_array(node):
-            if id(node) not in self.slots:
+    def _walk(self, tree: Any) -> None:
+        for node in leaves(tree):
+            if _is_array(node) and id(node) not in self.slots:
                 n = _nbytes(node)
                 self.slots[id(node)] = (node, self.nbytes, n)
                 self.nbytes = _align(self.nbytes + n)
-        elif isinstance(node, dict):
-            for v in node.values():
-                self._walk(v)
-            meta = getattr(node, "_metadata", None)
-            if isinstance(meta, dict):
-                self._walk(meta)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                self._walk(v)
 
 
 class StagingArea:
@@ -205,29 +196,19 @@ class StagingArea:
         return dst
 
 
-def _rebuild(node: Any, staged: dict[int, Any]) -> Any:
-    """``node`` with every array replaced by its staged copy and every container rebuilt (the
-    live state may mutate its lists and dicts as training goes on). Tuples of any kind become
-    plain tuples, as the serializer writes them; other leaves are immutable."""
-    if _is_array(node):
-        return staged[id(node)]
-    if isinstance(node, dict):
-        out: dict[Any, Any] = OrderedDict() if isinstance(node, OrderedDict) else {}
-        for k, v in node.items():
-            out[k] = _rebuild(v, staged)
-        meta = getattr(node, "_metadata", None)
-        if isinstance(meta, dict):  # nn.Module state dicts carry version info here
-            if not isinstance(out, OrderedDict):
-                out = OrderedDict(out)
-            out._metadata = _rebuild(dict(meta), staged)  # type: ignore[attr-defined]
-        return out
-    if isinstance(node, list):
-        return [_rebuild(v, staged) for v in node]
-    if isinstance(node, tuple):
-        return tuple(_rebuild(v, staged) for v in node)
-    if isinstance(node, bytearray):
-        return bytes(node)
-    return node
+def _rebuild(tree: Any, staged: dict[int, Any]) -> Any:
+    """``tree`` with every array replaced by its staged copy and every container rebuilt (the
+    live state may mutate its lists and dicts as training goes on); other leaves are immutable
+    (a bytearray becomes bytes)."""
+
+    def leaf(node: Any) -> Any:
+        if _is_array(node):
+            return staged[id(node)]
+        if isinstance(node, bytearray):
+            return bytes(node)
+        return node
+
+    return map_tree(tree, leaf)
 
 
 class SaveHandle:

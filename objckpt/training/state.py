@@ -319,7 +319,7 @@ def _check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Any) -> None:
             f"state[{name!r}]: the checkpoint has {len(groups)} parameter group(s), the optimizer "
             f"{len(opt.param_groups)}"
         )
-    for i, (g, live) in enumerate(zip(groups, opt.param_groups)):
+    for i, (g, live) in enumerate(zip(groups, opt.param_groups, strict=True)):
         if len(g["params"]) != len(live["params"]):
             raise TrainingStateError(
                 f"state[{name!r}]: parameter group {i} has {len(g['params'])} parameter(s) in the "
@@ -330,7 +330,7 @@ def _check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Any) -> None:
     # next step would fail far from the cause.
     ids = [pid for g in groups for pid in g["params"]]
     params = [p for g in opt.param_groups for p in g["params"]]
-    by_id = dict(zip(ids, params))
+    by_id = dict(zip(ids, params, strict=False))
     for pid, pstate in saved["state"].items():
         param = by_id.get(pid)
         if param is None or not isinstance(pstate, Mapping):

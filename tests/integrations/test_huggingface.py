@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", reason="transformers not installed")
 
-from objckpt.errors import ChecksumMismatchError, CommitError, NoCheckpointError  # noqa: E402
+from objckpt.errors import CommitError, NoCheckpointError  # noqa: E402
 from objckpt.integrations import _common  # noqa: E402
 from objckpt.integrations.huggingface import ObjckptCallback, default_owner, download_checkpoint  # noqa: E402
 from objckpt.reader import Reader  # noqa: E402
@@ -100,7 +100,8 @@ def test_damaged_checkpoints(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
 
     shard6 = next(s for s in reader.load(6).shards if s.name == "model.safetensors")
     bitrot(tmp_path / "run", shard6.key)  # only the CRC32C check while downloading sees it
-    with pytest.raises(ChecksumMismatchError):
+    # an explicit step never falls back: refused, naming the damage (one restore protocol)
+    with pytest.raises(NoCheckpointError, match="step 6 is damaged.*CRC32C"):
         download_checkpoint(root, tmp_path / "b", step=6)
     assert not (tmp_path / "b" / "checkpoint-6" / "model.safetensors").exists()  # never placed
     assert [p.name for p in (tmp_path / "b" / "checkpoint-6").iterdir() if ".objckpt-" in p.name] == []

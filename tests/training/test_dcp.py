@@ -33,6 +33,7 @@ from objckpt.errors import (  # noqa: E402
     CommitError,
     DistributedError,
     IntegrityError,
+    LoadRefusedError,
     ManifestError,
     NoCheckpointError,
     PermissionDeniedError,
@@ -238,8 +239,9 @@ def test_corrupt_data_falls_back_to_parent_loudly() -> None:
     with pytest.warns(RuntimeWarning, match="step 2"):
         assert load_sharded(out, store) == 1
     assert_state_equal(old, out)
-    # An explicit step never falls back.
-    with pytest.raises(ChecksumMismatchError):
+    # An explicit step never falls back: it is refused, naming the damage (the one restore
+    # protocol raises NoCheckpointError for a damaged explicit step on every path).
+    with pytest.raises(NoCheckpointError, match="step 2 is damaged.*CRC32C"):
         load_sharded(zeros_like_state(old), store, step=2)
 
 
@@ -293,7 +295,7 @@ def test_pickled_metadata_is_never_executed() -> None:
     save_sharded(good, store, 1)
     _commit_hostile_metadata(store, 2)
 
-    with pytest.raises(ManifestError, match="not JSON"):
+    with pytest.raises(NoCheckpointError, match="not JSON"):
         load_sharded(zeros_like_state(good), store, step=2)
     out = zeros_like_state(good)
     with pytest.warns(RuntimeWarning, match="step 2"):
@@ -314,19 +316,47 @@ class _HostilePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
-def test_pickled_bytes_item_is_never_executed() -> None:
+def test_a_bytes_item_the_load_policy_refuses_is_refused_at_save_time() -> None:
+    _EXECUTED.clear()
+    store = mem()
+    save_sharded(sample_state(0), store, 1)
+    with pytest.raises(CommitError, match="LoadRefusedError.*extra.epoch.*add_safe_globals"):
+        save_sharded(sample_state(1), store, 2, planner=_HostilePlanner())
+    assert [m.step for m in Reader(store).candidates()] == [1]  # nothing committed
+    assert _EXECUTED == []
+
+
+def test_train_state_holding_a_bytesio_is_refused_before_commit() -> None:
+    # PyTorch's own DCP end-to-end pattern: a train state with an io.BytesIO, which DCP pickles
+    # into a bytes item that weights_only loading can never rebuild.
+    store = mem()
+    state = sample_state(0)
+    state["extra"]["buffer"] = io.BytesIO(b"not a tensor")
+    with pytest.raises(CommitError, match="extra.buffer.*add_safe_globals"):
+        save_sharded(state, store, 1)
+    assert Reader(store).latest() is None
+
+
+def test_a_committed_bytes_item_the_policy_refuses_is_an_error_not_damage(monkeypatch) -> None:
+    """Invariant 11b: a policy refusal at load never falls back to an older checkpoint."""
+    import objckpt.training.dcp.writer as dcp_writer
+
     _EXECUTED.clear()
     store = mem()
     good = sample_state(0)
     save_sharded(good, store, 1)
+    # Commit the hostile pickle anyway (an older objckpt, or another writer, could have).
+    monkeypatch.setattr(dcp_writer, "_check_loadable", lambda view, fqn: None)
     save_sharded(sample_state(1), store, 2, planner=_HostilePlanner())
+    monkeypatch.undo()
 
-    with pytest.raises(IntegrityError, match="weights_only"):
+    with pytest.raises(LoadRefusedError, match="weights_only.*add_safe_globals"):
         load_sharded(zeros_like_state(good), store, step=2)
-    out = zeros_like_state(good)
-    with pytest.warns(RuntimeWarning, match="step 2"):
-        assert load_sharded(out, store) == 1
-    assert_state_equal(good, out)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(LoadRefusedError):
+            load_sharded(zeros_like_state(good), store)
+    assert not [w for w in seen if "fell back" in str(w.message)]  # no fallback to step 1
     assert _EXECUTED == []
 
 

@@ -15,7 +15,8 @@ from objckpt.errors import CommitConflict, CommitError, NoCheckpointError, Permi
 from objckpt.reader import Reader
 from objckpt.store.memory import MemoryStore
 from objckpt.store.wrappers import Fault, FaultInjectingStore
-from objckpt.training.manager import CheckpointManager, _assign, hash_config
+from objckpt.training.manager import CheckpointManager, hash_config
+from objckpt.training.replicated import assign as _assign
 from objckpt.training.sampler import ResumableDistributedSampler
 from objckpt.training.state import TrainingProgress, TrainingStateError
 from objckpt.writer import ShardWriter

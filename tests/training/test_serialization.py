@@ -268,3 +268,64 @@ def test_truncated_and_trailing_streams() -> None:
         decode_stream([data, b"extra"])
     with pytest.raises(SerializationError):
         decode(data + b"x")
+
+
+# ---------------------------------------------------------------- hostile sizes (invariant 11)
+
+
+def _hostile_shard() -> bytes:
+    """A well-formed container whose header declares a 4 TiB tensor over a few bytes of data."""
+    import json as _json
+    import struct as _struct
+
+    huge = 1 << 40
+    header = {
+        "format": "objckpt-state",
+        "version": 1,
+        "tree": {"t": 0},
+        "arrays": [{"kind": "torch", "dtype": "float32", "shape": [huge], "offset": 0, "nbytes": 4 * huge}],
+        "data_size": 4 * huge,
+    }
+    raw = _json.dumps(header).encode()
+    blob = ser.MAGIC + _struct.pack("<Q", len(raw)) + raw
+    return blob + bytes(-len(blob) % ser.ALIGN) + b"\0" * 64
+
+
+def test_a_header_declaring_more_than_the_shard_is_rejected_before_allocating(monkeypatch) -> None:
+    allocated: list[int] = []
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        shape = args[0] if args else kwargs.get("size")
+        allocated.append(int(torch.Size(shape).numel()) if shape is not None else 0)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(ser.torch, "empty", counting_empty)
+    blob = _hostile_shard()
+    with pytest.raises(SerializationError, match="header describes"):
+        ser.decode_stream([blob], total_size=len(blob))
+    assert all(n < 1 << 20 for n in allocated), allocated  # nothing was allocated from the header
+
+
+def test_a_hostile_shard_with_a_consistent_receipt_makes_restore_fall_back(tmp_path) -> None:
+    from objckpt import layout
+    from objckpt.commit import Coordinator
+    from objckpt.store import open_store
+    from objckpt.training.manager import CheckpointManager
+    from objckpt.writer import ShardWriter
+
+    root = f"file://{tmp_path}/run"
+    state = {"counters": {"seen": 1}}
+    with CheckpointManager(root) as mgr:
+        mgr.save(10, state)
+        good = mgr.reader.latest()
+    store = open_store(root)
+    attempt = layout.new_attempt_id()
+    writer = ShardWriter(store, step=20, attempt=attempt, rank=0)
+    writer.write("rank.bin", _hostile_shard())  # the receipt matches these bytes exactly
+    Coordinator(store, world_size=1).commit(20, attempt, {0: writer.receipts}, topology=good.topology)
+    state["counters"]["seen"] = 99
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 10
+        assert [s for s, _ in mgr.fallbacks] == [20] and "header describes" in mgr.fallbacks[0][1]
+    assert state["counters"] == {"seen": 1}

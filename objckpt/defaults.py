@@ -1,0 +1,22 @@
+"""The defaults a newcomer never has to change, defined once (every API imports them from here).
+
+Timeouts bound how long a rank waits for the others; they are not retry budgets (those are the
+store's ``deadline``, see :class:`objckpt._retry.RetryPolicy`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+#: seconds a rank waits for the others after transfers (must exceed the slowest rank's upload)
+TIMEOUT = 1800.0
+#: seconds a rank waits for the others to enter save/restore; a save called by rank 0 alone
+#: raises DistributedError after this long instead of hanging
+HANDSHAKE_TIMEOUT = 300.0
+#: committed checkpoints kept by CheckpointManager's retention
+KEEP_LAST = 3
+#: unreferenced attempt data and incomplete uploads younger than this are never collected;
+#: it must exceed the longest save
+GC_GRACE_PERIOD = timedelta(hours=6)
+
+__all__ = ["GC_GRACE_PERIOD", "HANDSHAKE_TIMEOUT", "KEEP_LAST", "TIMEOUT"]
