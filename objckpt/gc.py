@@ -65,6 +65,12 @@ class RetentionPolicy:
             raise ValueError(f"keep_every must be None or an int >= 1, got {self.keep_every!r}")
         object.__setattr__(self, "pinned", frozenset(self.pinned))
 
+    @classmethod
+    def from_options(cls, keep_last: int | None, keep_every: int | None = None) -> RetentionPolicy | None:
+        """The policy the ``keep_last=`` / ``keep_every=`` options of the APIs mean; ``None``
+        (keep everything) when ``keep_last`` is None."""
+        return None if keep_last is None else cls(keep_last=keep_last, keep_every=keep_every)
+
 
 @dataclass(frozen=True)
 class ManifestDeletion:

@@ -8,6 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Lint, format, types and import layers first: a red check fails the run before the suite.
+bash scripts/check.sh
 if [ "${OBJCKPT_SKIP_LOCALSTACK:-0}" != "1" ]; then
   # Best effort: without it the LocalStack legs skip, saying why; everything else still runs.
   bash scripts/localstack.sh || echo "objckpt test: LocalStack could not be installed; its tests will be skipped"

@@ -12,19 +12,73 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 from typing import IO, Any
 
 from ..coordination.comm import LocalComm
+from ..coordination.restore import RestoreSession
 from ..coordination.save import SaveSession
+from ..gc import RetentionPolicy
 from ..manifest import Manifest
+from ..metrics import CheckpointMetrics
 from ..store import Store
 from ..store.base import BytesSource
+from ..training.dist import LazyComm
 from ..tree import map_tree
 
 log = logging.getLogger("objckpt.integrations")
 
 #: a ``torch.save`` stream held in memory up to this size, then spilled to a temporary file
 DEFAULT_SPOOL_BYTES = 64 * 1024 * 1024
+
+
+class PluginSessions:
+    """The save session of a plug-in whose framework calls it where every rank is present but
+    not at construction: the communicator (gloo groups) is created on first use, released by
+    :meth:`close`, and a later use makes a new one and a new session over it."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        label: str,
+        keep_last: int | None,
+        keep_every: int | None,
+        grace_period: timedelta,
+        metrics: CheckpointMetrics | None,
+        config_hash: str | None,
+        timeout: float,
+        handshake_timeout: float,
+    ) -> None:
+        self.store = store
+        self.label = label
+        self.retention = RetentionPolicy.from_options(keep_last, keep_every)
+        self.grace_period = grace_period
+        self.metrics = metrics
+        self.identity = {"config_hash": config_hash} if config_hash is not None else {}
+        self.comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
+        self._saves: SaveSession | None = None
+
+    def saves(self) -> SaveSession:
+        comm = self.comm.get()
+        if self._saves is None or self._saves.comm is not comm:
+            self._saves = SaveSession(
+                self.store,
+                comm,
+                retention=self.retention,
+                grace_period=self.grace_period,
+                metrics=self.metrics,
+                identity=self.identity,
+                label=f"{self.label} save",
+            )
+        return self._saves
+
+    def restores(self) -> RestoreSession:
+        return RestoreSession(self.store, self.comm.get(), metrics=self.metrics, label=f"{self.label} load")
+
+    def close(self) -> None:
+        self._saves = None
+        self.comm.close()
 
 
 def commit_single_writer(

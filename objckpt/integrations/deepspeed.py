@@ -49,7 +49,6 @@ from typing import Any
 
 from .. import layout
 from ..coordination.comm import agree
-from ..coordination.restore import RestoreSession
 from ..coordination.roots import open_root
 from ..coordination.save import SaveSession, SaveTicket
 from ..defaults import GC_GRACE_PERIOD, HANDSHAKE_TIMEOUT, TIMEOUT
@@ -62,12 +61,10 @@ from ..errors import (
     encode_error,
     with_rank,
 )
-from ..gc import RetentionPolicy
 from ..manifest import Manifest
 from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store import Store
-from ..training.dist import LazyComm
 from . import _common
 
 try:
@@ -182,7 +179,17 @@ class ObjckptCheckpointEngine(_Base):
         self.gc_grace_period = gc_grace_period
         self.spool_bytes = spool_bytes
         self.metrics = metrics
-        self._comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
+        self._sessions = _common.PluginSessions(
+            self.store,
+            label="DeepSpeed",
+            keep_last=keep_last,
+            keep_every=keep_every,
+            grace_period=gc_grace_period,
+            metrics=metrics,
+            config_hash=config_hash,
+            timeout=timeout,
+            handshake_timeout=handshake_timeout,
+        )
         self._pending: _Save | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -241,30 +248,10 @@ class ObjckptCheckpointEngine(_Base):
             )
 
     def _rank(self) -> int:
-        return self._comm.get().rank
+        return self._sessions.comm.get().rank
 
     def _session(self) -> SaveSession:
-        comm = self._comm.get()
-        session = getattr(self, "_saves", None)
-        if session is None or session.comm is not comm:
-            retention = (
-                RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
-                if self.keep_last is not None
-                else None
-            )
-            identity: dict[str, Any] = {}
-            if self.config_hash is not None:
-                identity["config_hash"] = self.config_hash
-            session = self._saves = SaveSession(
-                self.store,
-                comm,
-                retention=retention,
-                grace_period=self.gc_grace_period,
-                metrics=self.metrics,
-                identity=identity,
-                label="DeepSpeed save",
-            )
-        return session
+        return self._sessions.saves()
 
     def save(self, state_dict: Any, path: str) -> None:
         """Serialize ``state_dict`` now and upload it (in the background when decoupled).
@@ -353,7 +340,7 @@ class ObjckptCheckpointEngine(_Base):
                 executor, self._executor = self._executor, None
             if executor is not None:
                 executor.shutdown(wait=True)
-            self._comm.close()  # the checkpoint groups; a later save or load creates new ones
+            self._sessions.close()  # the checkpoint groups; a later save or load creates new ones
 
     # ------------------------------------------------------------------ DeepSpeed API: loading
 
@@ -403,7 +390,7 @@ class ObjckptCheckpointEngine(_Base):
                 open(marker, "ab").close()  # noqa: SIM115 - an empty marker; never overwrites
             _write_atomic(os.path.join(load_dir, "latest"), chosen)
 
-        session = RestoreSession(self.store, self._comm.get(), metrics=self.metrics, label="DeepSpeed load")
+        session = self._sessions.restores()
         restored = session.restore(stage, apply, step=step)
         return None if restored is None else restored.value
 
@@ -475,7 +462,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, **kwargs
     except Exception as exc:  # noqa: BLE001 - every rank raises alike
         error = encode_error(exc)
     agree(
-        ckpt._comm.get(),
+        ckpt._sessions.comm.get(),
         {"tag": chosen, "error": error},
         _decide_loaded,
         f"load_checkpoint(tag={chosen})",

@@ -47,12 +47,12 @@ from ..coordination.roots import open_root
 from ..coordination.save import SaveSession
 from ..defaults import GC_GRACE_PERIOD, HANDSHAKE_TIMEOUT, TIMEOUT
 from ..errors import CommitError, NoCheckpointError
-from ..gc import RetentionPolicy
 from ..manifest import Manifest
 from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store import Store
 from ..training.dist import LazyComm
+from . import _common
 
 try:
     from transformers import TrainerCallback as _Base
@@ -122,37 +122,29 @@ class ObjckptCallback(_Base):
         self.owner_of = owner_of
         self.gc_grace_period = gc_grace_period
         self.metrics = metrics
-        self._comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
+        self._sessions = _common.PluginSessions(
+            self.store,
+            label="Trainer",
+            keep_last=keep_last,
+            keep_every=keep_every,
+            grace_period=gc_grace_period,
+            metrics=metrics,
+            config_hash=config_hash,
+            timeout=timeout,
+            handshake_timeout=handshake_timeout,
+        )
         #: the manifest of the last commit (every rank)
         self.last_manifest: Manifest | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Create the checkpoint process groups now, while every rank is at the same point.
-        self._comm.get()
+        self._sessions.comm.get()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._comm.close()  # released while every rank is here; a later train() makes new ones
+        self._sessions.close()  # released while every rank is here; a later train() makes new ones
 
     def _session(self) -> SaveSession:
-        comm = self._comm.get()
-        session = getattr(self, "_saves", None)
-        if session is None or session.comm is not comm:
-            retention = (
-                RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
-                if self.keep_last is not None
-                else None
-            )
-            identity = {"config_hash": self.config_hash} if self.config_hash is not None else {}
-            session = self._saves = SaveSession(
-                self.store,
-                comm,
-                retention=retention,
-                grace_period=self.gc_grace_period,
-                metrics=self.metrics,
-                identity=identity,
-                label="Trainer save",
-            )
-        return session
+        return self._sessions.saves()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Upload this rank's files of ``checkpoint-<global_step>`` and commit (every rank)."""

@@ -280,3 +280,21 @@ def test_ddp_fit_and_resume_through_ckpt_path(tmp_path: Path) -> None:
     # nothing was written to Lightning's local checkpoint folder
     assert not (tmp_path / "ckpt-first").exists() or not any((tmp_path / "ckpt-first").iterdir())
     print(f"lightning ddp fit+resume: {time.monotonic() - started:.1f}s")
+
+
+def test_an_outage_while_loading_latest_is_raised_never_a_fallback(root: str) -> None:
+    """Invariant 11b through the plug-in: an outage past the retry budget must not roll the
+    job back to an older checkpoint."""
+    from objckpt.errors import TransientError
+    from objckpt.store.wrappers import Fault, FaultInjectingStore
+    from tests.protocol.helpers import FAST_RETRY
+
+    io = ObjckptCheckpointIO(root)
+    io.save_checkpoint(lightning_checkpoint(4, seed=4), "/c/epoch=0-step=4.ckpt")
+    io.save_checkpoint(lightning_checkpoint(8, seed=8), "/c/epoch=1-step=8.ckpt")
+    key = Reader(open_store(root)).load(8).shards[0].key
+    flaky = FaultInjectingStore(
+        open_store(root), [Fault(op="open", key=key, error=TransientError, times=None)], retry=FAST_RETRY
+    )
+    with pytest.raises(TransientError):
+        ObjckptCheckpointIO(flaky).load_checkpoint("latest")

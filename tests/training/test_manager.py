@@ -225,3 +225,32 @@ def test_replicated_tensors_are_split_across_ranks_by_size() -> None:
     loads = [sum(tensors[i].numel() for i in part) for part in split]
     assert max(loads) - min(loads) <= 10
     assert _assign(tensors, 8)[7] == []  # more ranks than tensors: some write none
+
+
+def test_the_manager_feeds_its_metrics_with_no_user_code(tmp_path) -> None:
+    from objckpt.metrics import CheckpointMetrics
+
+    metrics = CheckpointMetrics()
+    root = f"file://{tmp_path}/run"
+    state = {"counters": {"n": 0}}
+    with CheckpointManager(root, every=5, metrics=metrics) as mgr:
+        for step in range(1, 11):
+            state["counters"]["n"] = step
+            mgr.save(step, state)
+    snap = metrics.snapshot()
+    assert snap["last_committed_step"] == 10 and snap["commits"] == 2 and snap["current_step"] == 10
+    assert snap["work_at_risk_steps"] == 0 and snap["seconds_since_last_commit"] is not None
+    assert snap["bytes_total"] > 0 and {"save", "upload", "commit"} <= set(snap["phases"])
+    with CheckpointManager(root, metrics=metrics) as mgr:
+        assert mgr.restore(state) == 10
+    snap = metrics.snapshot()
+    assert snap["restores"] == 1 and snap["restarts"] == 1 and snap["last_restored_step"] == 10
+
+
+def test_store_options_are_accepted_as_keyword_arguments(tmp_path) -> None:
+    from objckpt.errors import ConfigError
+
+    with CheckpointManager(f"file://{tmp_path}/run", part_size="8MiB") as mgr:
+        assert mgr.store.part_size == 8 * 1024 * 1024
+    with pytest.raises(ConfigError, match="path_style"):
+        CheckpointManager(f"file://{tmp_path}/run", path_style=True)

@@ -96,15 +96,9 @@ def save_sharded(
     """
     step = check_step(step)
     writer = ObjckptStorageWriter(
-        uri_or_store,
-        step,
-        progress=progress,
-        run=run,
-        metadata=metadata,
-        retention=retention,
-        metrics=metrics,
-        store_options=store_options,
-    )
+        uri_or_store, step, progress=progress, run=run, metadata=metadata,
+        retention=retention, metrics=metrics, store_options=store_options,
+    )  # fmt: skip
     try:
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
     except CheckpointException as cpe:
@@ -134,15 +128,9 @@ def async_save_sharded(
     """
     step = check_step(step)
     writer = ObjckptStorageWriter(
-        uri_or_store,
-        step,
-        progress=progress,
-        run=run,
-        metadata=metadata,
-        retention=retention,
-        metrics=metrics,
-        store_options=store_options,
-    )
+        uri_or_store, step, progress=progress, run=run, metadata=metadata,
+        retention=retention, metrics=metrics, store_options=store_options,
+    )  # fmt: skip
     try:
         response = dcp.async_save(state_dict, storage_writer=writer, process_group=process_group)
     except CheckpointException as cpe:
