@@ -18,6 +18,7 @@ too. Run it with ``python -m objckpt.demo`` (``--help`` for options).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -30,9 +31,36 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "missing_requirements"]
 
 BUCKET = "objckpt-demo"
+
+#: what the demo needs beyond objckpt itself: (module, what it is for, the extra providing it)
+_REQUIREMENTS = (
+    ("torch", "the training", "torch"),
+    ("numpy", "the training", "torch"),
+    ("boto3", "the s3:// backend", "s3"),
+    ("moto", "the embedded S3 server", "dev"),
+    ("flask", "the embedded S3 server (moto[server])", "dev"),
+)
+
+
+def missing_requirements() -> str | None:
+    """Which packages the demo lacks and the extras to install, in one line; None if none.
+
+    Asked before anything starts, so a missing moto is named as such rather than surfacing as
+    the embedded server's ``ServerStartError``.
+    """
+    missing: dict[str, list[str]] = {}
+    for module, purpose, extra in _REQUIREMENTS:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.setdefault(extra, []).append(f"{module} ({purpose})")
+    if not missing:
+        return None
+    what = ", ".join(m for ms in missing.values() for m in ms)
+    return f"the demo needs {what}: install with pip install 'objckpt[{','.join(sorted(missing))}]'"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -240,7 +268,7 @@ def _compare(a_dir: Path, b_dir: Path, world_size: int) -> list[str]:
             if not isinstance(y, (list, tuple)) or len(x) != len(y):
                 problems.append(path)
             else:
-                for i, (u, v) in enumerate(zip(x, y)):
+                for i, (u, v) in enumerate(zip(x, y, strict=True)):
                     same(u, v, f"{path}/{i}")
         elif x != y:
             problems.append(path)
@@ -263,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         print("objckpt demo: --kill-at must fall between two checkpoints", file=sys.stderr)
         return 2
     kill_rank = args.world_size - 1 if args.kill_rank is None else args.kill_rank
+    problem = missing_requirements()
+    if problem:
+        print(f"objckpt demo: {problem}", file=sys.stderr)
+        return 2
 
     import multiprocessing as mp
 
@@ -339,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
             restored, recompute = r0["restored"], r0["recompute_s"]
             problems = _compare(resumed, reference, args.world_size)
     except Exception as exc:  # noqa: BLE001 - the demo reports, it does not trace back
-        print(f"objckpt demo: FAILED: {type(exc).__name__}: {exc}", flush=True)
+        hint = ""
+        if "No module named" in str(exc):  # e.g. the server's interpreter lacks moto[server]
+            hint = " (install the demo's packages with pip install 'objckpt[dev,torch,s3]')"
+        print(f"objckpt demo: FAILED: {type(exc).__name__}: {exc}{hint}", flush=True)
         return 1
 
     lost = reached - (restored or 0)

@@ -17,6 +17,13 @@ The waste is minimised by Young's interval ``sqrt(2 C M)``; Daly's higher-order 
 FGCS 2006) is ``sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C`` for ``C < 2M``, and
 ``M`` otherwise.
 
+Both assume the save is small against the MTBF (``C << M``). When the save exceeds a tenth of
+the MTBF (:data:`SMALL_SAVE_RATIO`) the figures are rough and both :func:`make_plan` and
+:func:`suggest_interval` carry a warning; when the optimum would be shorter than the save itself
+(from about ``C > 0.7 M``) checkpointing cannot keep up: :func:`make_plan` says so in its warnings
+(``Plan.infeasible``; the CLI refuses such a plan) and :func:`suggest_interval` never suggests
+less than the save time (the interval is raised to it, with a warning).
+
 Worked example (the figures the seed used): with a 12 s save, checkpointing every 20 min costs
 1 % overhead and loses ~10 min of work per failure; every 5 min costs 4 % and loses ~2.5 min.
 
@@ -37,6 +44,7 @@ from .errors import ConfigError
 
 __all__ = [
     "DEFAULT_CANDIDATES",
+    "SMALL_SAVE_RATIO",
     "Plan",
     "PlanRow",
     "Suggestion",
@@ -46,11 +54,15 @@ __all__ = [
     "make_plan",
     "parse_duration",
     "suggest_interval",
+    "planning_warnings",
     "young_interval",
 ]
 
 #: candidate intervals (seconds) the plan table shows besides the optimum: 5, 10, 20, 30, 60 min
 DEFAULT_CANDIDATES: tuple[float, ...] = (300.0, 600.0, 1200.0, 1800.0, 3600.0)
+
+#: Young/Daly assume save << MTBF; above this fraction of the MTBF their figures are rough
+SMALL_SAVE_RATIO = 0.1
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|sec|s|min|m|hr|h|d|w)?", re.IGNORECASE)
 _UNIT_SECONDS = {
@@ -139,6 +151,29 @@ def daly_interval(save_seconds: float, mtbf_seconds: float) -> float:
     return math.sqrt(2.0 * c * m) * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - c
 
 
+def planning_warnings(
+    save_seconds: float, mtbf_seconds: float, interval_seconds: float | None = None
+) -> list[str]:
+    """Why a Young/Daly figure for this save and MTBF should not be trusted as is (empty: fine).
+
+    ``interval_seconds``: the planned interval, checked against the save time.
+    """
+    warnings = []
+    if save_seconds > SMALL_SAVE_RATIO * mtbf_seconds:
+        warnings.append(
+            f"the save ({format_duration(save_seconds)}) is not small against the MTBF "
+            f"({format_duration(mtbf_seconds)}): more than {SMALL_SAVE_RATIO:.0%} of it; Young/Daly "
+            "assume save << MTBF, so these figures are rough"
+        )
+    if interval_seconds is not None and interval_seconds < save_seconds:
+        warnings.append(
+            f"the planned interval ({format_duration(interval_seconds)}) is shorter than the save "
+            f"itself ({format_duration(save_seconds)}): checkpointing cannot keep up with failures "
+            "this frequent; make saves cheaper (e.g. asynchronous) or check the MTBF"
+        )
+    return warnings
+
+
 @dataclass(frozen=True)
 class PlanRow:
     """One candidate interval and what it costs.
@@ -212,11 +247,18 @@ class Plan:
     young_s: float
     daly_s: float
     rows: list[PlanRow] = field(default_factory=list)
+    #: see :func:`planning_warnings`
+    warnings: tuple[str, ...] = ()
 
     @property
     def optimum(self) -> PlanRow:
         """The Daly row (the recommended interval)."""
         return next(r for r in self.rows if r.label == "daly")
+
+    @property
+    def infeasible(self) -> bool:
+        """The optimum is shorter than the save: no interval keeps up with the failures."""
+        return self.optimum.interval_s < self.save_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -229,6 +271,8 @@ class Plan:
             "recommended_interval_seconds": self.optimum.interval_s,
             "recommended_every_steps": self.optimum.every_steps,
             "rows": [asdict(r) for r in self.rows],
+            "warnings": list(self.warnings),
+            "infeasible": self.infeasible,
         }
 
 
@@ -259,6 +303,7 @@ def make_plan(
     # A zero save cost makes any interval free; fall back to one step (or one second).
     rows.append(evaluate(daly if daly > 0 else (step_seconds or 1.0), label="daly", **common))  # type: ignore[arg-type]
     rows.sort(key=lambda r: (r.interval_s, r.label))
+    optimum = next(r for r in rows if r.label == "daly")
     return Plan(
         save_s=float(save_seconds),
         mtbf_s=float(mtbf_seconds),
@@ -267,6 +312,7 @@ def make_plan(
         young_s=young,
         daly_s=daly,
         rows=rows,
+        warnings=tuple(planning_warnings(save_seconds, mtbf_seconds, optimum.interval_s)),
     )
 
 
@@ -280,6 +326,8 @@ class Suggestion:
         save_s: the save cost the suggestion assumed (from the measurements).
         row: the full cost figures of the suggested interval.
         reason: one line saying how the interval was chosen (for logs).
+        warnings: why the figures should not be trusted as is (see :func:`planning_warnings`);
+            when the optimum was shorter than the save, the interval was raised to the save.
     """
 
     interval_s: float
@@ -287,6 +335,7 @@ class Suggestion:
     save_s: float
     row: PlanRow
     reason: str
+    warnings: tuple[str, ...] = ()
 
 
 def suggest_interval(
@@ -310,6 +359,9 @@ def suggest_interval(
         step_seconds: time of one optimizer step; rounds the interval to whole steps.
         min_interval_seconds / max_interval_seconds: hard bounds (e.g. an SLO on lost work).
         max_overhead: if given, lengthen the interval until ``save / interval <= max_overhead``.
+
+    The interval is never below the save time (checkpointing could not keep up): it is raised to
+    the save, and ``warnings`` says so; a save over a tenth of the MTBF also warns.
 
     Raises:
         ConfigError: no measurements, or a non-positive MTBF / negative cost.
@@ -336,6 +388,10 @@ def suggest_interval(
     if max_interval_seconds is not None and interval > max_interval_seconds:
         interval = float(max_interval_seconds)
         reason += f"; capped at the maximum {format_duration(interval)}"
+    warnings = planning_warnings(save, mtbf_seconds, interval)
+    if interval < save:
+        interval = save
+        reason += f"; raised to the save time {format_duration(save)} (the interval cannot be shorter)"
     row = evaluate(
         interval,
         save_seconds=save,
@@ -344,4 +400,13 @@ def suggest_interval(
         step_seconds=step_seconds,
         label="suggested",
     )
-    return Suggestion(row.interval_s, row.every_steps, save, row, reason)
+    if row.interval_s < save and step_seconds:  # rounding to whole steps went below the save
+        row = evaluate(
+            math.ceil(save / step_seconds) * step_seconds,
+            save_seconds=save,
+            mtbf_seconds=mtbf_seconds,
+            restart_seconds=restart_seconds,
+            step_seconds=step_seconds,
+            label="suggested",
+        )
+    return Suggestion(row.interval_s, row.every_steps, save, row, reason, tuple(warnings))

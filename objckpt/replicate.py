@@ -201,7 +201,7 @@ def _discard(store: Store, writers: Iterable[ShardWriter]) -> None:
     if keys:
         try:
             store.delete(keys)
-        except Exception:  # best effort: the original error matters more; GC sweeps leftovers
+        except Exception:  # noqa: BLE001 - best effort: the original error matters more; GC sweeps leftovers
             pass
 
 

@@ -126,3 +126,30 @@ def test_format_duration():
     assert format_duration(12) == "12s"
     assert format_duration(150) == "2.5min"
     assert format_duration(5400) == "1.5h"
+
+
+def test_save_not_small_against_mtbf_warns():
+    assert make_plan(12, DAY).warnings == () and not make_plan(12, DAY).infeasible
+    assert suggest_interval(12, DAY).warnings == ()
+    plan = make_plan(10 * MIN, 60 * MIN)  # save > MTBF / 10: the figures are rough, but usable
+    assert len(plan.warnings) == 1 and "not small against the MTBF" in plan.warnings[0]
+    assert not plan.infeasible and plan.optimum.interval_s > 10 * MIN
+    assert plan.to_dict()["warnings"] == list(plan.warnings)
+    s = suggest_interval(10 * MIN, 60 * MIN)
+    assert len(s.warnings) == 1 and s.interval_s == pytest.approx(daly_interval(600, 3600))
+
+
+def test_interval_below_the_save_is_flagged_and_suggestions_clamped():
+    # the example: a 1 h save and a 1 h MTBF gave "every 49.6 min: 121.0% overhead"
+    plan = make_plan(3600, 3600)
+    assert plan.optimum.interval_s == pytest.approx(2974, abs=1) and plan.infeasible
+    assert any("shorter than the save" in w for w in plan.warnings)
+    assert plan.to_dict()["infeasible"] is True
+    s = suggest_interval(3600, 3600)
+    assert s.interval_s == pytest.approx(3600) and s.row.overhead <= 1.0
+    assert any("shorter than the save" in w for w in s.warnings) and "raised to the save" in s.reason
+    # rounding to whole steps never goes back below the save
+    stepped = suggest_interval(100, 100, step_seconds=30)
+    assert stepped.interval_s >= 100 and stepped.every_steps == 4
+    capped = suggest_interval(600, DAY, max_interval_seconds=60)  # a cap below the save loses
+    assert capped.interval_s == pytest.approx(600) and capped.warnings

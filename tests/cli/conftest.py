@@ -87,3 +87,20 @@ def file_root(tmp_path: Path) -> tuple[str, Store]:
     store = open_store(uri)
     yield uri, store
     store.close()
+
+
+@pytest.fixture(scope="module")
+def moto():
+    """A moto S3 server with the bucket ``cli-bucket`` (skips when moto is unavailable)."""
+    try:
+        from objckpt.testing.s3_servers import MotoServer, create_bucket
+    except ImportError as exc:
+        pytest.skip(f"MotoServer not available yet: {exc}")
+    pytest.importorskip("objckpt.store.s3", reason="s3:// backend not written yet")
+    try:
+        srv = MotoServer(min_part_size=1024).start()
+    except Exception as exc:  # noqa: BLE001 - the reason is what matters for a skip
+        pytest.skip(f"moto server did not start: {exc}")
+    create_bucket(srv.endpoint_url, "cli-bucket")
+    yield srv
+    srv.stop()

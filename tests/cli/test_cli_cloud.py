@@ -18,22 +18,6 @@ PART = "64KiB"
 
 
 @pytest.fixture(scope="module")
-def moto():
-    try:
-        from objckpt.testing.s3_servers import MotoServer, create_bucket
-    except ImportError as exc:
-        pytest.skip(f"MotoServer not available yet: {exc}")
-    pytest.importorskip("objckpt.store.s3", reason="s3:// backend not written yet")
-    try:
-        srv = MotoServer(min_part_size=1024).start()
-    except Exception as exc:  # noqa: BLE001 - the reason is what matters for a skip
-        pytest.skip(f"moto server did not start: {exc}")
-    create_bucket(srv.endpoint_url, "cli-bucket")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def gcs():
     try:
         from objckpt.testing.gcs_server import FakeGcsServer
@@ -164,3 +148,18 @@ def test_cp_s3_to_s3_on_another_endpoint(moto):
         r = run_cli("cp", src_uri, dst_uri, "--dst-option", f"part_size={PART}")
         assert r.rc == 0, r.err
         _check_hop(dst_uri, 7, source)
+
+
+def test_cp_dash_o_applies_to_the_side_that_accepts_it(moto, tmp_path):
+    """``-o endpoint_url=...`` (and credentials) reach the s3:// source, not the file:// copy."""
+    prefix = f"runs/{uuid.uuid4().hex[:8]}"
+    src = open_store(moto.uri("cli-bucket", prefix))
+    source = commit_step(src, 3, size=2000)
+    src.close()
+    opts = [x for k, v in moto.store_options.items() for x in ("-o", f"{k}={v}")]
+    dst = f"file://{tmp_path}/copy"
+    r = run_cli("cp", f"s3://cli-bucket/{prefix}", dst, *opts, "-o", "part_size=64KiB")
+    assert r.rc == 0, r.err  # before: unknown option(s) ['endpoint_url', ...] for file:// URIs
+    assert "testing" not in r.out + r.err
+    m = Reader(open_store(dst)).latest()
+    assert m.step == 3 and {s.crc32c for s in m.shards} == {s.crc32c for s in source.shards}

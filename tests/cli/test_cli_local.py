@@ -116,7 +116,7 @@ def test_ls_reads_manifests_only_never_data(committed, monkeypatch, capsys):
     from objckpt import cli
     from objckpt.store.wrappers import CountingStore
 
-    uri, _, _ = committed
+    uri, _, manifests = committed
     seen = []
     real_open = cli._open
 
@@ -129,7 +129,11 @@ def test_ls_reads_manifests_only_never_data(committed, monkeypatch, capsys):
     assert cli.main(["ls", uri, "--json"]) == 0
     calls = seen[0].calls
     assert calls, "no requests recorded"
-    assert not [c for c in calls if c[1].startswith("data/")], calls
+    # data/ is never listed: the only data/ requests are the HEAD checks of the shards of the
+    # newest valid checkpoint ("<- LATEST" marks the newest valid one).
+    data_calls = [c for c in calls if c[1].startswith("data/")]
+    assert {op for op, _ in data_calls} <= {"head"}, calls
+    assert {key for _, key in data_calls} == {s.key for s in manifests[30].shards}
     assert {op for op, _ in calls} <= {"get", "list_page", "head"}
 
 
@@ -340,7 +344,7 @@ def test_cp_corrupt_source_commits_nothing(committed, tmp_path):
     path = _path(uri, bad.key)
     path.write_bytes(b"X" * bad.size)
     dst = f"file://{tmp_path}/never"
-    r = run_cli("cp", uri, dst)
+    r = run_cli("cp", f"{uri}@30", dst)  # named: without @STEP cp copies the newest valid (20)
     assert r.rc == 1
     assert "mismatch" in r.err
     from objckpt.store import open_store

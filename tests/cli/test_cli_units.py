@@ -69,3 +69,31 @@ def test_main_returns_codes_in_process(capsys):
     assert cli.main(["ls"]) == 2  # argparse: missing URI
     assert cli.main(["plan", "--save", "12s", "--json"]) == 0
     assert '"daly_interval_seconds"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "uri, prefix, child",
+    [
+        ("s3://b/runs?endpoint_url=http://h:9000", "eta/", "s3://b/runs/eta?endpoint_url=http://h:9000"),
+        ("s3://b", "team/eta/", "s3://b/team/eta"),
+        ("file:///tmp/runs/", "a/", "file:///tmp/runs/a"),
+        ("memory://name", "x/", "memory://name/x"),
+        ("gs://b/runs", "", "gs://b/runs"),
+    ],
+)
+def test_child_uri(uri, prefix, child):
+    from objckpt.cli._common import child_uri
+
+    assert child_uri(uri, prefix) == child
+
+
+def test_rm_refusal_rules_are_one_function():
+    from objckpt.cli._manage import RmFacts, rm_refusals
+
+    facts = dict(head=30, pointer_step=30, newest_valid=20, retention=None)
+    assert len(rm_refusals(RmFacts(step=30, **facts))) == 2
+    assert rm_refusals(RmFacts(step=20, **facts)) == [
+        "it is the newest valid checkpoint (what a restore uses)"
+    ]
+    assert rm_refusals(RmFacts(step=10, **facts)) == []
+    assert rm_refusals(RmFacts(step=10, **{**facts, "retention": "pinned"})) == ["retention keeps it: pinned"]
