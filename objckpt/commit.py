@@ -27,7 +27,7 @@ from .manifest import Manifest, Pointer, ShardReceipt
 from .reader import Reader
 from .store.base import PutMode, Store
 
-__all__ = ["Coordinator", "RankReport"]
+__all__ = ["Coordinator", "RankReport", "advance_pointer"]
 
 log = logging.getLogger("objckpt.commit")
 
@@ -88,8 +88,16 @@ class Coordinator:
         run: Mapping[str, Any] | None = None,
         topology: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        timeline: int = 0,
+        after: tuple[int, int] | None = None,
     ) -> Manifest:
-        """Commit ``attempt`` of ``step`` from every rank's receipts; return its manifest.
+        """Commit ``attempt`` of ``step`` on ``timeline`` from every rank's receipts; return its
+        manifest.
+
+        ``after``: the ``(timeline, step)`` this save continues from, as the caller knows it (its
+        last commit, or the checkpoint it restored); the parent is the newest commit of
+        ``timeline`` below ``step`` found from there, else the timeline's base. It bounds the
+        LIST that finds the parent, so the commit's cost never grows with history.
 
         Steps: (1) every rank ``0..world_size-1`` reported receipts, each under its own rank's
         prefix of this attempt; (2) one LIST of the attempt prefix (per 1,000 shards) shows every
@@ -109,10 +117,12 @@ class Coordinator:
         """
         layout.check_step(step)
         layout.check_attempt_id(attempt)
+        layout.check_timeline(timeline)
         expected = self._check_reports(step, attempt, receipts)
         self._check_store(step, attempt, expected)
-        parent = self._parent_of(step)
+        parent = self._parent_of(timeline, step, after)
         manifest = Manifest.create(
+            timeline=timeline,
             step=step,
             attempt=attempt,
             world_size=self.world_size,
@@ -120,7 +130,8 @@ class Coordinator:
             topology={"world_size": self.world_size, **dict(topology or {})},
             run=run,
             progress=progress,
-            parent=parent,
+            parent=None if parent is None else parent[1],
+            parent_timeline=None if parent is None else parent[0],
             metadata=metadata,
         )
         manifest = self._write_manifest(manifest)
@@ -215,14 +226,49 @@ class Coordinator:
 
     # -- 3. parent
 
-    def _parent_of(self, step: int) -> int | None:
+    def _parent_of(self, timeline: int, step: int, after: tuple[int, int] | None) -> tuple[int, int] | None:
+        """The checkpoint this one continues from: the newest commit of ``timeline`` below
+        ``step``, else the timeline's base (T1: a timeline holds checkpoints of one base only)."""
+        history = self.reader.history
         try:
-            parent = self.reader.latest_before(step)
+            claim = history.claim(timeline) if timeline else None
+            if timeline and claim is None:
+                raise CommitError(
+                    f"step {step} not committed: timeline {timeline} is not claimed under {self.store.location}"
+                )
+            start: str | None = None
+            if after is not None and after[0] == timeline and after[1] < step:
+                start = layout.manifest_key(after[1], timeline)
+            elif after is None:
+                pointer = history.pointer()  # a cheap bound when the caller knows nothing
+                own = pointer is not None and pointer.manifest_key == layout.manifest_key(
+                    pointer.step, timeline
+                )
+                if pointer is not None and own and pointer.timeline == timeline and pointer.step < step:
+                    start = layout.manifest_key(pointer.step, timeline)
+            prefix = layout.timeline_manifest_prefix(timeline) if timeline else layout.MANIFEST_PREFIX
+            below = [start_ref] if (start_ref := layout.parse_manifest_key(start) if start else None) else []
+            for meta in self.store.list(prefix, start_after=start):
+                ref = layout.parse_manifest_key(meta.key)
+                if ref is None or ref[0] != timeline:
+                    if timeline == 0 and meta.key >= layout.MANIFEST_PREFIX + "t":
+                        break  # timeline 0's keys all sort before any later timeline's
+                    continue
+                if ref[1] < step:
+                    below.append(ref)
+            if below:
+                return max(below)
+            if claim is not None:
+                return claim.base_ref
+            return None
+        except ManifestError as exc:
+            raise CommitError(
+                f"step {step} not committed: timeline {timeline}'s claim is invalid: {exc}"
+            ) from exc
         except StoreError as exc:
             raise CommitError(
                 f"step {step} not committed: cannot resolve the previous checkpoint: {exc}"
             ) from exc
-        return parent.step if parent is not None else None
 
     # -- 4. the commit point
 
@@ -285,53 +331,62 @@ class Coordinator:
     # -- 5. pointer: forward only, compare-and-swap
 
     def _advance_pointer(self, manifest: Manifest) -> None:
-        """Move ``LATEST`` to ``manifest`` unless it already names a step >= ours.
+        advance_pointer(self.store, Pointer.for_manifest(manifest), retries=self.pointer_retries)
 
-        Never raises: once the manifest exists the save is committed, and readers roll forward
-        over a pointer that lags behind.
-        """
-        new = Pointer.for_manifest(manifest).encode()
-        key = layout.POINTER_KEY
-        try:
-            for _ in range(self.pointer_retries):
-                # HEAD before GET: if the pointer changes in between, the GET sees a newer value
-                # than the version we hold, and the CAS below fails and we re-read. The other
-                # order could decide on old data and then swap a newer pointer away.
+
+def advance_pointer(store: Store, pointer: Pointer, *, retries: int = 50) -> bool:
+    """Move ``LATEST`` to ``pointer`` unless it already names a ``(timeline, step)`` >= ours
+    (invariant 8: forward only, by compare-and-swap, so a stale or zombie coordinator -- on this
+    timeline or an older one -- can never move it backwards or lose a concurrent update).
+
+    Returns whether the pointer now names ``pointer``. Never raises: the checkpoint is committed
+    (or the timeline claimed) already, and readers roll forward over a pointer that lags behind.
+    """
+    new = pointer.encode()
+    key = layout.POINTER_KEY
+    try:
+        for _ in range(retries):
+            # HEAD before GET: if the pointer changes in between, the GET sees a newer value
+            # than the version we hold, and the CAS below fails and we re-read. The other
+            # order could decide on old data and then swap a newer pointer away.
+            try:
+                current_version = store.head(key).version
+            except NotFoundError:
+                current_version = None
+            current: Pointer | None = None
+            if current_version is not None:
                 try:
-                    current_version = self.store.head(key).version
+                    current = Pointer.decode(store.get(key), key=key)
                 except NotFoundError:
-                    current_version = None
-                current: Pointer | None = None
-                if current_version is not None:
-                    try:
-                        current = Pointer.decode(self.store.get(key), key=key)
-                    except NotFoundError:
-                        continue  # deleted between HEAD and GET: start over
-                    except ManifestError as exc:
-                        log.warning("replacing corrupt pointer %s: %s", key, exc)
-                if current is not None and current.step >= manifest.step:
-                    # Forward only: a newer (or this same) step is already published.
-                    return
-                mode = PutMode.CREATE if current_version is None else PutMode.update(current_version)
-                try:
-                    self.store.put(key, new, mode=mode)
-                    return
-                except (PreconditionFailedError, AlreadyExistsError):
-                    continue  # a concurrent coordinator moved it: re-read and decide again
-            log.warning(
-                "step %d is committed but %s was not advanced after %d compare-and-swap rounds; "
-                "readers roll forward to it",
-                manifest.step,
-                key,
-                self.pointer_retries,
-            )
-        except StoreError as exc:
-            log.warning(
-                "step %d is committed but updating %s failed (%s); readers roll forward to it",
-                manifest.step,
-                key,
-                exc,
-            )
+                    continue  # deleted between HEAD and GET: start over
+                except ManifestError as exc:
+                    log.warning("replacing corrupt pointer %s: %s", key, exc)
+            if current is not None and current.ref >= pointer.ref:
+                # Forward only: a newer (or this same) checkpoint is already published.
+                return current.ref == pointer.ref
+            mode = PutMode.CREATE if current_version is None else PutMode.update(current_version)
+            try:
+                store.put(key, new, mode=mode)
+                return True
+            except (PreconditionFailedError, AlreadyExistsError):
+                continue  # a concurrent coordinator moved it: re-read and decide again
+        log.warning(
+            "timeline %d step %d is published but %s was not advanced after %d compare-and-swap rounds; "
+            "readers roll forward to it",
+            pointer.timeline,
+            pointer.step,
+            key,
+            retries,
+        )
+    except StoreError as exc:
+        log.warning(
+            "timeline %d step %d is published but updating %s failed (%s); readers roll forward to it",
+            pointer.timeline,
+            pointer.step,
+            key,
+            exc,
+        )
+    return False
 
 
 def _rank_of(key: str, attempt_prefix: str) -> int:

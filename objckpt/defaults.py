@@ -19,4 +19,8 @@ KEEP_LAST = 3
 #: it must exceed the longest save
 GC_GRACE_PERIOD = timedelta(hours=6)
 
-__all__ = ["GC_GRACE_PERIOD", "HANDSHAKE_TIMEOUT", "KEEP_LAST", "TIMEOUT"]
+#: checkpoints of an abandoned branch (after a rollback or a fallback) are kept this long after
+#: they were abandoned, then collected
+KEEP_ABANDONED = timedelta(days=7)
+
+__all__ = ["GC_GRACE_PERIOD", "HANDSHAKE_TIMEOUT", "KEEP_ABANDONED", "KEEP_LAST", "TIMEOUT"]

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from . import layout
-from .defaults import GC_GRACE_PERIOD
-from .errors import ManifestError, NoCheckpointError, NotFoundError, NotSupportedError
+from .defaults import GC_GRACE_PERIOD, KEEP_ABANDONED
+from .errors import ManifestError, NotFoundError, NotSupportedError
+from .history import Line
 from .manifest import Manifest
+from .pointer import TimelineClaim
 from .reader import Reader
 from .store.base import PendingUpload, Store
 
@@ -46,24 +48,35 @@ DEFAULT_GRACE_PERIOD = GC_GRACE_PERIOD
 
 @dataclass(frozen=True)
 class RetentionPolicy:
-    """Which committed steps to keep.
+    """Which committed checkpoints to keep (invariant 15).
 
     Attributes:
-        keep_last: the N newest committed steps.
-        keep_every: also every step divisible by K (e.g. 10_000), if set.
-        pinned: steps kept whatever else applies.
+        keep_last: the N newest committed checkpoints *of the head's line* (its ancestry across
+            timelines); checkpoints of abandoned branches do not count.
+        keep_every: also every step of the line divisible by K (e.g. 10_000), if set.
+        pinned: kept whatever else applies: steps (an int: that step on any timeline) or
+            ``(timeline, step)`` pairs.
+        keep_abandoned: checkpoints off the line (steps after a rollback's base, a stale
+            coordinator's late commits) are kept this long after they were abandoned, then
+            collected; ``None`` keeps them forever.
     """
 
     keep_last: int = 3
     keep_every: int | None = None
-    pinned: frozenset[int] = frozenset()
+    pinned: frozenset[int | tuple[int, int]] = frozenset()
+    keep_abandoned: timedelta | None = KEEP_ABANDONED
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"keep_last must be an int >= 0, got {self.keep_last!r}")
         if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
             raise ValueError(f"keep_every must be None or an int >= 1, got {self.keep_every!r}")
+        if self.keep_abandoned is not None and self.keep_abandoned < timedelta(0):
+            raise ValueError("keep_abandoned must not be negative")
         object.__setattr__(self, "pinned", frozenset(self.pinned))
+
+    def is_pinned(self, ref: tuple[int, int]) -> bool:
+        return ref in self.pinned or ref[1] in self.pinned
 
     @classmethod
     def from_options(cls, keep_last: int | None, keep_every: int | None = None) -> RetentionPolicy | None:
@@ -74,13 +87,18 @@ class RetentionPolicy:
 
 @dataclass(frozen=True)
 class ManifestDeletion:
-    """A committed step to collect: its manifest key first, then its shard keys."""
+    """A committed checkpoint to collect: its manifest key first, then its shard keys."""
 
     step: int
     key: str
     attempt: str
     shard_keys: tuple[str, ...]
     size: int
+    timeline: int = 0
+
+    @property
+    def label(self) -> str:
+        return str(self.step) if self.timeline == 0 else f"t{self.timeline}:{self.step}"
 
 
 @dataclass(frozen=True)
@@ -102,7 +120,7 @@ class GcPlan:
     manifests: list[ManifestDeletion] = field(default_factory=list)
     orphans: list[OrphanPrefix] = field(default_factory=list)
     uploads: list[PendingUpload] = field(default_factory=list)
-    kept: dict[int, str] = field(default_factory=dict)  # step -> why
+    kept: dict[tuple[int, int], str] = field(default_factory=dict)  # (timeline, step) -> why
     notes: list[str] = field(default_factory=list)  # things deliberately left alone
     grace_period: timedelta = DEFAULT_GRACE_PERIOD
     now: datetime | None = None
@@ -111,12 +129,19 @@ class GcPlan:
     def empty(self) -> bool:
         return not (self.manifests or self.orphans or self.uploads)
 
+    def why_kept(self, step: int, timeline: int | None = None) -> str | None:
+        """Why ``step`` (on ``timeline``, or any) is kept, or None when it is not."""
+        for (t, s), why in sorted(self.kept.items(), reverse=True):
+            if s == step and (timeline is None or t == timeline):
+                return why
+        return None
+
     def describe(self) -> list[str]:
         """Human-readable lines, one per decision."""
-        lines = [f"keep step {s}: {why}" for s, why in sorted(self.kept.items())]
+        lines = [f"keep step {_label(ref)}: {why}" for ref, why in sorted(self.kept.items())]
         for d in self.manifests:
             lines.append(
-                f"delete step {d.step}: manifest {d.key}, then {len(d.shard_keys)} shard(s), "
+                f"delete step {d.label}: manifest {d.key}, then {len(d.shard_keys)} shard(s), "
                 f"{d.size} bytes (attempt {d.attempt})"
             )
         for o in self.orphans:
@@ -160,63 +185,91 @@ def plan_gc(
     plan = GcPlan(grace_period=grace_period, now=now)
     reader = Reader(store)
 
-    pointer = reader.pointer()
-    manifest_keys = reader._list_manifest_keys(None)
-    manifests: dict[int, Manifest] = {}
-    unreadable: set[int] = set()
-    for step, key in sorted(manifest_keys.items()):
+    history = reader.history
+    head = history.resolve()
+    manifest_keys = history.manifest_keys()
+    claims = history.claims()
+    line = history.line(head.timeline, claims)
+    manifests: dict[tuple[int, int], Manifest] = {}
+    unreadable: set[tuple[int, int]] = set()
+    for ref, key in sorted(manifest_keys.items()):
         try:
-            manifests[step] = reader._fetch(key)
+            manifests[ref] = reader.fetch(key)
         except NotFoundError:
             continue  # collected concurrently
         except ManifestError as exc:
-            unreadable.add(step)
-            plan.kept[step] = f"manifest does not validate ({exc}); left for a human"
-            log.warning("gc: leaving step %d alone: %s", step, exc)
+            unreadable.add(ref)
+            plan.kept[ref] = f"manifest does not validate ({exc}); left for a human"
+            log.warning("gc: leaving step %s alone: %s", _label(ref), exc)
 
-    steps = sorted(manifest_keys, reverse=True)
+    def keep(ref: tuple[int, int] | None, why: str) -> None:
+        if ref is not None and ref in manifest_keys:
+            plan.kept.setdefault(ref, why)
 
-    def keep(step: int, why: str) -> None:
-        plan.kept.setdefault(step, why)
-
-    if steps:
-        keep(steps[0], "newest committed step")
-    if pointer is not None:
-        keep(pointer.step, "target of LATEST")
-    # Invariant 9: never lose the last good checkpoint. Keep every checkpoint from the newest
-    # down to the newest one whose shards verify (HEAD), so a parent survives until its
+    on_line = line.order(manifest_keys)  # newest first
+    if head.ref is not None:
+        keep(head.ref, "the head (newest checkpoint of the newest timeline)")
+    if head.pointer is not None:
+        keep(layout.parse_manifest_key(head.pointer.manifest_key), "target of LATEST")
+    # Invariant 9: never lose the last good checkpoint. Keep every checkpoint from the head down
+    # its line to the newest one whose shards verify (HEAD), so a parent survives until its
     # successor is known to be usable.
-    for step in sorted(manifests, reverse=True):
-        problems = reader.check(manifests[step])
+    for ref in on_line:
+        if ref not in manifests:
+            continue
+        problems = reader.check(manifests[ref])
         if not problems:
-            keep(step, "newest checkpoint that verifies")
+            keep(ref, "newest checkpoint that verifies")
             break
-        keep(step, f"kept until a newer checkpoint verifies ({problems[0]})")
-    for step in steps[: policy.keep_last]:
-        keep(step, f"among the last {policy.keep_last}")
-    for step in steps:
-        if policy.keep_every and step % policy.keep_every == 0:
-            keep(step, f"multiple of keep_every={policy.keep_every}")
-        if step in policy.pinned:
-            keep(step, "pinned")
+        keep(ref, f"kept until a newer checkpoint verifies ({problems[0]})")
+    for ref in on_line[: policy.keep_last]:
+        keep(ref, f"among the last {policy.keep_last} of the line")
+    for ref in on_line:
+        if policy.keep_every and ref[1] % policy.keep_every == 0:
+            keep(ref, f"multiple of keep_every={policy.keep_every}")
+    for ref in manifest_keys:
+        if policy.is_pinned(ref):
+            keep(ref, "pinned")
+    # A base is kept while anything depends on it: the base of every timeline that still holds
+    # a kept checkpoint (and, transitively, the bases those bases stand on).
+    changed = True
+    while changed:
+        changed = False
+        for timeline in sorted({t for t, _ in plan.kept} | {head.timeline}):
+            claim = claims.get(timeline)
+            if claim is not None and claim.base_ref in manifest_keys and claim.base_ref not in plan.kept:
+                keep(claim.base_ref, f"base of timeline {timeline}")
+                changed = True
+    # Abandoned checkpoints (off the line) wait out keep_abandoned from when they were left.
+    for ref in sorted(manifest_keys):
+        if ref in plan.kept or line.contains(ref):
+            continue
+        left = _abandoned_at(ref, line, claims)
+        if policy.keep_abandoned is None:
+            keep(ref, "abandoned; kept (keep_abandoned=None)")
+        elif left is None or left > now - policy.keep_abandoned:
+            keep(ref, f"abandoned {_age(now, left)} ago; kept for keep_abandoned={policy.keep_abandoned}")
 
-    for step, m in sorted(manifests.items()):
-        if step in plan.kept:
+    for ref, m in sorted(manifests.items()):
+        if ref in plan.kept:
             continue
         plan.manifests.append(
-            ManifestDeletion(step, m.key, m.attempt, tuple(s.key for s in m.shards), m.total_size)
+            ManifestDeletion(
+                m.step, m.key, m.attempt, tuple(s.key for s in m.shards), m.total_size, m.timeline
+            )
         )
 
     # Orphans: attempt prefixes that no remaining manifest references. Prefixes of steps whose
     # manifest is unreadable are left alone (we cannot tell which attempt it names), and those of
     # manifests being deleted are handled by their deletion.
     referenced = {(m.step, m.attempt) for m in manifests.values()}
+    unreadable_steps = {step for _, step in unreadable}
     for prefix in store.list_prefixes(layout.DATA_PREFIX):
         parsed = layout.parse_attempt_prefix(prefix)
         if parsed is None:
             plan.notes.append(f"{prefix}: not an objckpt attempt prefix")
             continue
-        if parsed in referenced or parsed[0] in unreadable:
+        if parsed in referenced or parsed[0] in unreadable_steps:
             continue
         objects = list(store.list(prefix))
         if not objects:
@@ -253,6 +306,24 @@ def plan_gc(
     return plan
 
 
+def _label(ref: tuple[int, int]) -> str:
+    return str(ref[1]) if ref[0] == 0 else f"t{ref[0]}:{ref[1]}"
+
+
+def _age(now: datetime, then: datetime | None) -> str:
+    return "?" if then is None else str(now - then).split(".")[0]
+
+
+def _abandoned_at(ref: tuple[int, int], line: Line, claims: dict[int, TimelineClaim]) -> datetime | None:
+    """When ``ref`` was left behind: the claim of the first timeline of the line newer than its
+    own (the rollback or fallback that went on without it). None when unknown (kept)."""
+    for timeline in sorted(t for t in line.timelines if t > ref[0]):
+        claim = claims.get(timeline)
+        if claim is not None:
+            return datetime.fromisoformat(claim.created_at.replace("Z", "+00:00"))
+    return None
+
+
 def run_gc(store: Store, plan: GcPlan) -> GcResult:
     """Execute ``plan``: manifests first, then their shards, then orphans, then uploads.
 
@@ -266,10 +337,10 @@ def run_gc(store: Store, plan: GcPlan) -> GcResult:
     result = GcResult()
     reader = Reader(store)
     pointer = reader.pointer()
-    doomed = [d for d in plan.manifests if pointer is None or d.step != pointer.step]
+    doomed = [d for d in plan.manifests if pointer is None or d.key != pointer.manifest_key]
     for d in plan.manifests:
         if d not in doomed:
-            result.skipped.append(f"step {d.step}: it became the target of LATEST")
+            result.skipped.append(f"step {d.label}: it became the target of LATEST")
 
     # 1. manifests: after this the steps are no longer committed and their shards unreferenced.
     if doomed:
@@ -281,16 +352,23 @@ def run_gc(store: Store, plan: GcPlan) -> GcResult:
         store.delete(shard_keys)
         result.deleted_objects += len(shard_keys)
     # 3. orphans, re-checked: an attempt committed since the plan was made is not an orphan.
+    committed = reader.checkpoints() if plan.orphans else {}
     for o in plan.orphans:
-        try:
-            current = reader.load(o.step)
-        except ManifestError:
-            result.skipped.append(f"{o.prefix}: step {o.step} now has an unreadable manifest")
-            continue
-        except NoCheckpointError:  # still unreferenced
-            current = None
-        if current is not None and current.attempt == o.attempt:
-            result.skipped.append(f"{o.prefix}: committed after the plan was made")
+        verdict = None
+        for ref, key in committed.items():
+            if ref[1] != o.step:
+                continue
+            try:
+                if reader.fetch(key).attempt == o.attempt:
+                    verdict = "committed after the plan was made"
+            except ManifestError:
+                verdict = f"step {o.step} now has an unreadable manifest"
+            except NotFoundError:
+                continue
+            if verdict:
+                break
+        if verdict:
+            result.skipped.append(f"{o.prefix}: {verdict}")
             continue
         store.delete(o.keys)  # only objects seen (old) at planning time
         result.deleted_objects += len(o.keys)

@@ -1,11 +1,16 @@
 """Where objckpt puts things under a run root (pure: no I/O).
 
-    <root>/LATEST                                      pointer, compare-and-swap updated
-    <root>/manifests/<step:020d>.json                  one per committed step, create-if-absent
-    <root>/data/<step:020d>-<attempt>/<rank:05d>/NAME  shards, create-if-absent
+    <root>/LATEST                                         pointer, compare-and-swap updated
+    <root>/timelines/<timeline:010d>.json                 claim of a timeline (its base), create-if-absent
+    <root>/manifests/<step:020d>.json                     a committed step of timeline 0
+    <root>/manifests/t<timeline:010d>-<step:020d>.json    a committed step of timeline >= 1
+    <root>/quarantine/<timeline:010d>-<step:020d>.json    a checkpoint set aside (restore skips it)
+    <root>/data/<step:020d>-<attempt>/<rank:05d>/NAME     shards, create-if-absent
 
-Zero-padded steps keep keys sortable by step, so "manifests after the pointer's" is one
-``start_after`` LIST and never a scan of shard prefixes.
+Manifest keys sort exactly as ``(timeline, step)``: timeline 0 keeps the revision-1 key (so a
+revision-1 run root *is* timeline 0, and stays readable and writable), and every later timeline's
+keys start with ``t``, which sorts after every digit. "Manifests newer than the pointer's" is
+therefore one ``start_after`` LIST, never a scan of shard prefixes.
 """
 
 from __future__ import annotations
@@ -17,9 +22,14 @@ from .errors import ManifestError
 
 POINTER_KEY = "LATEST"
 MANIFEST_PREFIX = "manifests/"
+TIMELINE_PREFIX = "timelines/"
+QUARANTINE_PREFIX = "quarantine/"
 DATA_PREFIX = "data/"
 
-_MANIFEST_RE = re.compile(r"^manifests/(\d{20})\.json$")
+_MANIFEST_RE = re.compile(r"^manifests/(?:t(\d{10})-)?(\d{20})\.json$")
+_TIMELINE_RE = re.compile(r"^timelines/(\d{10})\.json$")
+_QUARANTINE_RE = re.compile(r"^quarantine/(\d{10})-(\d{20})\.json$")
+MAX_TIMELINE = 10**10 - 1
 _ATTEMPT_RE = re.compile(r"^data/(\d{20})-([0-9a-f]{16})/$")
 _ATTEMPT_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 MAX_STEP = 10**20 - 1
@@ -42,14 +52,60 @@ def check_attempt_id(attempt: str) -> str:
     return attempt
 
 
-def manifest_key(step: int) -> str:
-    return f"{MANIFEST_PREFIX}{check_step(step):020d}.json"
+def check_timeline(timeline: int) -> int:
+    if not isinstance(timeline, int) or isinstance(timeline, bool) or not 0 <= timeline <= MAX_TIMELINE:
+        raise ValueError(f"timeline must be an int in [0, {MAX_TIMELINE}], got {timeline!r}")
+    return timeline
+
+
+def manifest_key(step: int, timeline: int = 0) -> str:
+    """Key of the manifest of ``step`` on ``timeline`` (timeline 0: the revision-1 key)."""
+    if check_timeline(timeline) == 0:
+        return f"{MANIFEST_PREFIX}{check_step(step):020d}.json"
+    return f"{MANIFEST_PREFIX}t{timeline:010d}-{check_step(step):020d}.json"
+
+
+def timeline_manifest_prefix(timeline: int) -> str:
+    """The key prefix every manifest of ``timeline`` (>= 1) starts with."""
+    if check_timeline(timeline) == 0:
+        raise ValueError("timeline 0's manifests have no prefix of their own (they are manifests/<step>)")
+    return f"{MANIFEST_PREFIX}t{timeline:010d}-"
+
+
+def parse_manifest_key(key: str) -> tuple[int, int] | None:
+    """``(timeline, step)`` a manifest key names, or None if ``key`` is not a manifest key."""
+    m = _MANIFEST_RE.match(key)
+    if not m:
+        return None
+    return (int(m.group(1)) if m.group(1) is not None else 0, int(m.group(2)))
 
 
 def step_of_manifest_key(key: str) -> int | None:
-    """The step a manifest key names, or None if ``key`` is not a manifest key."""
-    m = _MANIFEST_RE.match(key)
+    """The step a manifest key names (on whatever timeline), or None."""
+    parsed = parse_manifest_key(key)
+    return parsed[1] if parsed else None
+
+
+def timeline_key(timeline: int) -> str:
+    """Key of the claim of ``timeline`` (>= 1; timeline 0 is implicit and has none)."""
+    if check_timeline(timeline) == 0:
+        raise ValueError("timeline 0 is implicit: it has no claim object")
+    return f"{TIMELINE_PREFIX}{timeline:010d}.json"
+
+
+def parse_timeline_key(key: str) -> int | None:
+    m = _TIMELINE_RE.match(key)
     return int(m.group(1)) if m else None
+
+
+def quarantine_key(timeline: int, step: int) -> str:
+    """Key of the marker that sets checkpoint ``(timeline, step)`` aside."""
+    return f"{QUARANTINE_PREFIX}{check_timeline(timeline):010d}-{check_step(step):020d}.json"
+
+
+def parse_quarantine_key(key: str) -> tuple[int, int] | None:
+    m = _QUARANTINE_RE.match(key)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def attempt_prefix(step: int, attempt: str) -> str:

@@ -1,34 +1,48 @@
-"""Manifest, shard receipt and pointer: the protocol's metadata objects (pure: no I/O).
+"""Manifest and shard receipt: the commit record of one checkpoint (pure: no I/O).
 
-A **manifest** is one small JSON object per committed step (``manifests/<step>.json``); writing
-it (create-if-absent) is THE commit point. It records everything needed to restore the step and
-to judge whether what is in the store is what was committed: every shard's receipt (key, size,
-ETag/generation, full-object CRC32C), the world size and topology, the run identity, the
-training progress, the parent step, and a SHA-256 of its own canonical body.
+A **manifest** is one small JSON object per committed checkpoint, keyed by ``(timeline,
+step)`` (``layout.manifest_key``); writing it (create-if-absent) is THE commit point. It records
+everything needed to restore the checkpoint and to judge whether what is in the store is what was
+committed: every shard's receipt (key, size, ETag/generation, full-object CRC32C), the world size
+and topology, the run identity, the training progress, the parent checkpoint (on this timeline,
+or the timeline's base), and a SHA-256 of its own canonical body.
 
-The **pointer** (``LATEST``) names the newest committed manifest. It is only a hint that makes
-resolution O(1); readers roll forward past it, so a lost pointer update loses nothing.
+Revision-1 manifests (``format_version`` 1: no timeline, an integer parent) are read as
+timeline 0. The pointer and the timeline claim live in :mod:`objckpt.pointer` (re-exported here).
 
-Everything travels as canonical JSON (sorted keys, no whitespace, UTF-8, no NaN/Infinity), so the
-same content always has the same bytes and the same checksum. Decoding never executes anything
-from the store: it is ``json.loads`` plus strict schema checks, and every check failure is a
+Decoding never executes anything from the store (:mod:`objckpt._json`); every check failure is a
 :class:`ManifestError` naming the object's key and the reason.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
 from . import layout
 from ._crc import decode_crc32c
+from ._json import (
+    MAX_MANIFEST_BYTES,
+    SHA256_RE,
+    Invalid,
+    canonical_json,
+    check_created_at,
+    check_fields,
+    check_format,
+    check_self_checksum,
+    dict_field,
+    int_field,
+    load_json,
+    normalise,
+    sha256_of,
+    str_field,
+    utc_now,
+)
 from .errors import ManifestError
+from .pointer import POINTER_FORMAT, POINTER_FORMAT_VERSION, Pointer, TimelineClaim
 
 __all__ = [
     "FORMAT",
@@ -40,133 +54,21 @@ __all__ = [
     "Manifest",
     "Pointer",
     "ShardReceipt",
+    "TimelineClaim",
     "canonical_json",
     "run_identity",
 ]
 
 FORMAT = "objckpt.manifest"
-FORMAT_VERSION = 1
-POINTER_FORMAT = "objckpt.pointer"
-POINTER_FORMAT_VERSION = 1
+#: version 2 adds the timeline and a parent that names its timeline; version 1 (revision 1 of
+#: the protocol: no timelines) is read as timeline 0
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 #: no shard is larger than this (1 PiB); anything bigger is a corrupt or hostile manifest
 MAX_OBJECT_SIZE = 2**50
-#: manifests/pointers larger than this are refused before parsing (memory safety)
-MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_PARTS = 1_000_000
 MAX_WORLD_SIZE = 100_000  # ranks are 5 digits in the layout
-
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_CREATED_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?Z$")
-
-
-class _Invalid(ValueError):
-    """A field fails validation; converted to ManifestError (decode) or ValueError (create)."""
-
-
-# ---------------------------------------------------------------------------------- JSON
-
-
-def canonical_json(obj: Any) -> bytes:
-    """The canonical encoding: sorted keys, no whitespace, UTF-8, NaN/Infinity refused.
-
-    Raises:
-        ValueError / TypeError: ``obj`` is not plain JSON data.
-    """
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
-        "utf-8"
-    )
-
-
-def _sha256(body: Mapping[str, Any]) -> str:
-    return hashlib.sha256(canonical_json(body)).hexdigest()
-
-
-def _normalise(value: Any, what: str) -> dict[str, Any]:
-    """A detached, JSON-clean copy of a caller's dict (what will be stored is what is kept)."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise _Invalid(f"{what} must be a mapping, got {type(value).__name__}")
-    try:
-        return json.loads(canonical_json(dict(value)))
-    except (TypeError, ValueError) as exc:
-        raise _Invalid(f"{what} is not plain JSON data: {exc}") from None
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # Duplicate keys make a document mean different things to different parsers; refuse it.
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _Invalid(f"duplicate JSON key {k!r}")
-        out[k] = v
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise _Invalid(f"non-finite number {name} is not allowed")
-
-
-def _load_json(data: bytes, key: str, what: str) -> dict[str, Any]:
-    """Parse untrusted bytes as one JSON object (never anything that can run code)."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ManifestError(f"{what} {key!r}: expected bytes, got {type(data).__name__}", key=key)
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{what} {key!r}: {len(data)} bytes is too large", key=key)
-    try:
-        text = bytes(data).decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
-    except _Invalid as exc:
-        raise ManifestError(f"{what} {key!r} is not valid: {exc}", key=key) from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ManifestError(f"{what} {key!r} is not JSON: {exc}", key=key) from None
-    if not isinstance(obj, dict):
-        raise ManifestError(f"{what} {key!r}: top level must be a JSON object", key=key)
-    return obj
-
-
-# ---------------------------------------------------------------------------------- field checks
-
-
-def _int(value: Any, what: str, lo: int, hi: int) -> int:
-    # bool is an int in Python but never a valid size/step/rank
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise _Invalid(f"{what} must be an int in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def _str(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise _Invalid(f"{what} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _dict(value: Any, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _Invalid(f"{what} must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _fields(obj: Mapping[str, Any], required: Iterable[str], optional: Iterable[str], what: str) -> None:
-    required = set(required)
-    allowed = required | set(optional)
-    missing = sorted(required - set(obj))
-    if missing:
-        raise _Invalid(f"{what} lacks field(s) {missing}")
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        # Strict: a field this version does not know may change the meaning; a newer format
-        # bumps format_version instead.
-        raise _Invalid(f"{what} has unknown field(s) {unknown}")
-
-
-def _check_format(obj: Mapping[str, Any], fmt: str, version: int, what: str) -> None:
-    if obj.get("format") != fmt:
-        raise _Invalid(f"unknown {what} format {obj.get('format')!r} (expected {fmt!r})")
-    v = obj.get("format_version")
-    if not isinstance(v, int) or isinstance(v, bool) or v != version:
-        raise _Invalid(f"unsupported {what} format_version {v!r} (this objckpt reads {version})")
 
 
 # ---------------------------------------------------------------------------------- receipts
@@ -202,31 +104,29 @@ class ShardReceipt:
     def __post_init__(self) -> None:
         try:
             self._validate()
-        except _Invalid as exc:
+        except Invalid as exc:
             raise ValueError(f"invalid shard receipt {self.key!r}: {exc}") from None
 
     def _validate(self) -> None:
-        _str(self.key, "key")
+        str_field(self.key, "key")
         try:
             layout.validate_key_in_root(self.key)
         except ManifestError as exc:
-            raise _Invalid(str(exc)) from None
-        _int(self.size, "size", 0, MAX_OBJECT_SIZE)
-        _str(self.version, "version")
+            raise Invalid(str(exc)) from None
+        int_field(self.size, "size", 0, MAX_OBJECT_SIZE)
+        str_field(self.version, "version")
         if len(self.version) > 1024:
-            raise _Invalid("version token is absurdly long")
-        _str(self.crc32c, "crc32c")
+            raise Invalid("version token is absurdly long")
+        str_field(self.crc32c, "crc32c")
         try:
             decode_crc32c(self.crc32c)
         except (ValueError, TypeError):
-            raise _Invalid(f"crc32c {self.crc32c!r} is not a base64 CRC32C digest") from None
-        _int(self.rank, "rank", 0, MAX_WORLD_SIZE - 1)
-        _str(self.name, "name")
-        _int(self.parts, "parts", 1, MAX_PARTS)
-        if self.sha256 is not None and (
-            not isinstance(self.sha256, str) or not _SHA256_RE.match(self.sha256)
-        ):
-            raise _Invalid(f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
+            raise Invalid(f"crc32c {self.crc32c!r} is not a base64 CRC32C digest") from None
+        int_field(self.rank, "rank", 0, MAX_WORLD_SIZE - 1)
+        str_field(self.name, "name")
+        int_field(self.parts, "parts", 1, MAX_PARTS)
+        if self.sha256 is not None and (not isinstance(self.sha256, str) or not SHA256_RE.match(self.sha256)):
+            raise Invalid(f"sha256 {self.sha256!r} is not 64 lowercase hex digits")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -251,13 +151,13 @@ class ShardReceipt:
         """
         try:
             return cls._from_dict(d)
-        except (_Invalid, ValueError) as exc:
+        except (Invalid, ValueError) as exc:
             raise ManifestError(f"invalid shard receipt in {key!r}: {exc}", key=key) from None
 
     @classmethod
     def _from_dict(cls, d: Any) -> ShardReceipt:
-        _dict(d, "shard receipt")
-        _fields(
+        dict_field(d, "shard receipt")
+        check_fields(
             d, ("key", "size", "version", "crc32c", "rank", "name", "parts"), ("sha256",), "shard receipt"
         )
         return cls(
@@ -291,12 +191,12 @@ def run_identity(run: Mapping[str, Any] | None = None) -> dict[str, Any]:
 
     from ._version import __version__
 
-    out = _normalise(run, "run identity")
+    out = normalise(run, "run identity")
     software = out.get("software")
     if software is None:
         software = {}
     if not isinstance(software, dict):
-        raise _Invalid("run identity 'software' must be a mapping of name -> version")
+        raise Invalid("run identity 'software' must be a mapping of name -> version")
     software.setdefault("objckpt", __version__)
     software.setdefault("python", platform.python_version())
     for name in _FRAMEWORKS:
@@ -308,40 +208,28 @@ def run_identity(run: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return out
 
 
-def _utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 # ---------------------------------------------------------------------------------- manifest
 
-_MANIFEST_FIELDS = (
-    "format",
-    "format_version",
-    "step",
-    "attempt",
-    "world_size",
-    "topology",
-    "run",
-    "shards",
-    "progress",
-    "parent",
-    "created_at",
-    "metadata",
-    "checksum",
-)
+_FIELDS_V1 = (
+    "format", "format_version", "step", "attempt", "world_size", "topology", "run", "shards",
+    "progress", "parent", "created_at", "metadata", "checksum",
+)  # fmt: skip
+_FIELDS_V2 = (*_FIELDS_V1, "timeline")
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """One committed step (invariant 7). Build with :meth:`create`, read with :meth:`decode`.
+    """One committed checkpoint (invariant 7). Build with :meth:`create`, read with :meth:`decode`.
 
     Attributes:
-        step, attempt: what was committed; every shard lies under ``data/<step>-<attempt>/``.
+        timeline, step: which checkpoint this is; ``key`` is ``layout.manifest_key(step, timeline)``.
+        attempt: every shard lies under ``data/<step>-<attempt>/``.
         world_size: ranks that took part; ``topology``: how they were laid out (free-form).
         run: run identity (config hash, software versions, dataset snapshot id when given).
         shards: every shard's receipt, sorted by key.
         progress: training-progress summary (global step, epoch, samples seen, ...).
-        parent: the step that was the committed latest when this one was committed, or None.
+        parent, parent_timeline: the checkpoint this one continues from: the previous commit on
+            this timeline, or the timeline's base; ``None`` for the first checkpoint of a run.
         created_at: ISO-8601 UTC time of the commit.
         metadata: free-form JSON from the caller.
         checksum: SHA-256 (hex) of the canonical JSON of every other field.
@@ -358,6 +246,8 @@ class Manifest:
     created_at: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
     checksum: str = ""
+    timeline: int = 0
+    parent_timeline: int | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -371,50 +261,78 @@ class Manifest:
         attempt: str,
         world_size: int,
         shards: Iterable[ShardReceipt],
+        timeline: int = 0,
         topology: Mapping[str, Any] | None = None,
         run: Mapping[str, Any] | None = None,
         progress: Mapping[str, Any] | None = None,
         parent: int | None = None,
+        parent_timeline: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         created_at: str | None = None,
     ) -> Manifest:
         """A new manifest with its checksum computed; validated exactly as :meth:`decode` does.
 
-        ``run`` gets objckpt/python versions filled in (:func:`run_identity`).
+        ``parent_timeline`` defaults to ``timeline`` when a ``parent`` is given. ``run`` gets
+        objckpt/python versions filled in (:func:`run_identity`).
 
         Raises:
-            ValueError: a field is invalid (e.g. a shard outside this attempt's prefix).
+            ValueError: a field is invalid (e.g. a shard outside this attempt's prefix, a parent
+                that is not older in (timeline, step) order).
         """
         try:
             shards = list(shards)
             for s in shards:
                 if not isinstance(s, ShardReceipt):
-                    raise _Invalid(f"shards must be ShardReceipt objects, got {type(s).__name__}")
+                    raise Invalid(f"shards must be ShardReceipt objects, got {type(s).__name__}")
+            if parent is not None and parent_timeline is None:
+                parent_timeline = timeline
             body = {
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
+                "timeline": timeline,
                 "step": step,
                 "attempt": attempt,
                 "world_size": world_size,
-                "topology": _normalise(topology, "topology"),
+                "topology": normalise(topology, "topology"),
                 "run": run_identity(run),
                 "shards": [s.to_dict() for s in sorted(shards, key=lambda s: s.key)],
-                "progress": _normalise(progress, "progress"),
-                "parent": parent,
-                "created_at": created_at or _utc_now(),
-                "metadata": _normalise(metadata, "metadata"),
+                "progress": normalise(progress, "progress"),
+                "parent": None if parent is None else {"timeline": parent_timeline, "step": parent},
+                "created_at": created_at or utc_now(),
+                "metadata": normalise(metadata, "metadata"),
             }
-            body["checksum"] = _sha256(body)
+            body["checksum"] = sha256_of(body)
             return cls._from_obj(body, expected_key=None)
-        except _Invalid as exc:
+        except Invalid as exc:
             raise ValueError(f"invalid manifest for step {step!r}: {exc}") from None
 
     # -- derived
 
     @property
     def key(self) -> str:
-        """Where this manifest lives: ``manifests/<step:020d>.json``."""
-        return layout.manifest_key(self.step)
+        """Where this manifest lives: ``layout.manifest_key(step, timeline)``."""
+        return layout.manifest_key(self.step, self.timeline)
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        """``(timeline, step)``: the order checkpoints are compared in."""
+        return (self.timeline, self.step)
+
+    @property
+    def parent_ref(self) -> tuple[int, int] | None:
+        if self.parent is None:
+            return None
+        return (self.parent_timeline if self.parent_timeline is not None else self.timeline, self.parent)
+
+    @property
+    def parent_key(self) -> str | None:
+        ref = self.parent_ref
+        return None if ref is None else layout.manifest_key(ref[1], ref[0])
+
+    @property
+    def label(self) -> str:
+        """``20`` on timeline 0, ``t1:20`` on later timelines (as the CLI names them)."""
+        return str(self.step) if self.timeline == 0 else f"t{self.timeline}:{self.step}"
 
     @property
     def attempt_prefix(self) -> str:
@@ -436,8 +354,9 @@ class Manifest:
         raise KeyError(f"step {self.step} has no shard {name!r} for rank {rank}")
 
     def body(self) -> dict[str, Any]:
-        """Every field except the checksum: what the checksum covers."""
-        return {
+        """Every field except the checksum: what the checksum covers (in this manifest's own
+        format version, so a revision-1 manifest keeps its checksum)."""
+        out: dict[str, Any] = {
             "format": self.format,
             "format_version": self.format_version,
             "step": self.step,
@@ -451,6 +370,14 @@ class Manifest:
             "created_at": self.created_at,
             "metadata": json.loads(canonical_json(self.metadata)),
         }
+        if self.format_version >= 2:
+            out["timeline"] = self.timeline
+            out["parent"] = (
+                None
+                if self.parent_ref is None
+                else dict(zip(("timeline", "step"), self.parent_ref, strict=True))
+            )
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.body(), "checksum": self.checksum}
@@ -466,85 +393,71 @@ class Manifest:
         """Parse and validate a manifest read from ``key`` (invariant 11).
 
         Checks: JSON object (no code is ever executed), known format and version, exact field
-        set and types, ``key`` is this step's manifest key, self-checksum, and every shard key
-        is a plain key inside the run root that lies under this manifest's own attempt prefix
-        and its own rank's prefix (so shards of different attempts or steps can never be mixed).
+        set and types, ``key`` is this checkpoint's manifest key, the parent is older in
+        ``(timeline, step)`` order, self-checksum, and every shard key is a plain key inside the
+        run root under this manifest's own attempt prefix and its own rank's prefix (so shards of
+        different attempts or steps can never be mixed).
 
         Raises:
             ManifestError: naming ``key`` and the reason.
         """
-        obj = _load_json(data, key, "manifest")
+        obj = load_json(data, key, "manifest")
         try:
             return cls._from_obj(obj, expected_key=key)
-        except _Invalid as exc:
+        except Invalid as exc:
             raise ManifestError(f"invalid manifest {key!r}: {exc}", key=key) from None
         except ManifestError as exc:
             raise ManifestError(f"invalid manifest {key!r}: {exc}", key=key) from None
 
     @classmethod
     def _from_obj(cls, obj: dict[str, Any], *, expected_key: str | None) -> Manifest:
-        _fields(obj, _MANIFEST_FIELDS, (), "manifest")
-        _check_format(obj, FORMAT, FORMAT_VERSION, "manifest")
-        step = _int(obj["step"], "step", 0, layout.MAX_STEP)
+        version = check_format(obj, FORMAT, READABLE_FORMAT_VERSIONS, "manifest")
+        check_fields(obj, _FIELDS_V1 if version == 1 else _FIELDS_V2, (), "manifest")
+        step = int_field(obj["step"], "step", 0, layout.MAX_STEP)
+        timeline = 0 if version == 1 else int_field(obj["timeline"], "timeline", 0, layout.MAX_TIMELINE)
         try:
             attempt = layout.check_attempt_id(obj["attempt"])
         except ValueError as exc:
-            raise _Invalid(str(exc)) from None
-        if expected_key is not None and expected_key != layout.manifest_key(step):
-            # a manifest copied under another step's key must not be taken for that step
-            raise _Invalid(f"it is stored at {expected_key!r} but describes step {step}")
-        world_size = _int(obj["world_size"], "world_size", 1, MAX_WORLD_SIZE)
-        parent = obj["parent"]
-        if parent is not None:
-            _int(parent, "parent", 0, layout.MAX_STEP)
-            if parent >= step:
-                raise _Invalid(f"parent step {parent} is not older than step {step}")
-        created_at = _str(obj["created_at"], "created_at")
-        if not _CREATED_RE.match(created_at):
-            raise _Invalid(f"created_at {created_at!r} is not an ISO-8601 UTC time")
-        try:
-            datetime.fromisoformat(created_at.replace("Z", "+00:00"))
-        except ValueError:
-            raise _Invalid(f"created_at {created_at!r} is not a valid time") from None
+            raise Invalid(str(exc)) from None
+        if expected_key is not None and expected_key != layout.manifest_key(step, timeline):
+            # a manifest copied under another checkpoint's key must not be taken for it
+            raise Invalid(f"it is stored at {expected_key!r} but describes timeline {timeline} step {step}")
+        world_size = int_field(obj["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+        parent, parent_timeline = _parent(obj["parent"], version, timeline, step)
+        created_at = check_created_at(obj["created_at"])
         for name in ("topology", "run", "progress", "metadata"):
-            _dict(obj[name], name)
-        checksum = obj["checksum"]
-        if not isinstance(checksum, str) or not _SHA256_RE.match(checksum):
-            raise _Invalid("checksum must be 64 lowercase hex digits")
-        body = {k: v for k, v in obj.items() if k != "checksum"}
-        actual = _sha256(body)
-        if actual != checksum:
-            raise _Invalid(f"self-checksum mismatch: body hashes to {actual}, manifest says {checksum}")
+            dict_field(obj[name], name)
+        checksum = check_self_checksum(obj)
 
         raw_shards = obj["shards"]
         if not isinstance(raw_shards, list):
-            raise _Invalid("shards must be a JSON array")
+            raise Invalid("shards must be a JSON array")
         prefix = layout.attempt_prefix(step, attempt)
         shards: list[ShardReceipt] = []
         seen: set[str] = set()
         for i, raw in enumerate(raw_shards):
             try:
                 receipt = ShardReceipt._from_dict(raw)
-            except (_Invalid, ValueError) as exc:
-                raise _Invalid(f"shard #{i}: {exc}") from None
+            except (Invalid, ValueError) as exc:
+                raise Invalid(f"shard #{i}: {exc}") from None
             # validate_key_in_root raises ManifestError naming the key
             layout.validate_key_in_root(receipt.key)
             if not receipt.key.startswith(prefix):
-                raise _Invalid(
+                raise Invalid(
                     f"shard key {receipt.key!r} lies outside this manifest's attempt prefix {prefix!r}"
                 )
             if receipt.rank >= world_size:
-                raise _Invalid(f"shard {receipt.key!r} has rank {receipt.rank} >= world_size {world_size}")
+                raise Invalid(f"shard {receipt.key!r} has rank {receipt.rank} >= world_size {world_size}")
             try:
                 own = layout.shard_key(step, attempt, receipt.rank, receipt.name)
             except ValueError as exc:
-                raise _Invalid(f"shard {receipt.key!r}: {exc}") from None
+                raise Invalid(f"shard {receipt.key!r}: {exc}") from None
             if receipt.key != own:
-                raise _Invalid(
+                raise Invalid(
                     f"shard key {receipt.key!r} is not rank {receipt.rank}'s key for {receipt.name!r} ({own!r})"
                 )
             if receipt.key in seen:
-                raise _Invalid(f"shard key {receipt.key!r} is listed twice")
+                raise Invalid(f"shard key {receipt.key!r} is listed twice")
             seen.add(receipt.key)
             shards.append(receipt)
         return cls(
@@ -556,77 +469,30 @@ class Manifest:
             run=obj["run"],
             progress=obj["progress"],
             parent=parent,
+            parent_timeline=parent_timeline,
             created_at=created_at,
             metadata=obj["metadata"],
             checksum=checksum,
+            timeline=timeline,
+            format_version=version,
         )
 
 
-# ---------------------------------------------------------------------------------- pointer
-
-_POINTER_FIELDS = ("format", "format_version", "step", "manifest", "attempt", "checksum")
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """``LATEST``: names the newest committed manifest. A hint, never the source of truth."""
-
-    step: int
-    manifest_key: str
-    attempt: str
-
-    def __post_init__(self) -> None:
-        try:
-            self._validate()
-        except _Invalid as exc:
-            raise ValueError(f"invalid pointer: {exc}") from None
-
-    def _validate(self) -> None:
-        _int(self.step, "step", 0, layout.MAX_STEP)
-        try:
-            layout.check_attempt_id(self.attempt)
-        except ValueError as exc:
-            raise _Invalid(str(exc)) from None
-        if self.manifest_key != layout.manifest_key(self.step):
-            raise _Invalid(f"manifest key {self.manifest_key!r} is not step {self.step}'s manifest key")
-
-    @classmethod
-    def for_manifest(cls, manifest: Manifest) -> Pointer:
-        return cls(step=manifest.step, manifest_key=manifest.key, attempt=manifest.attempt)
-
-    def encode(self) -> bytes:
-        body = {
-            "format": POINTER_FORMAT,
-            "format_version": POINTER_FORMAT_VERSION,
-            "step": self.step,
-            "manifest": self.manifest_key,
-            "attempt": self.attempt,
-        }
-        return canonical_json({**body, "checksum": _sha256(body)})
-
-    @classmethod
-    def decode(cls, data: bytes, *, key: str = layout.POINTER_KEY) -> Pointer:
-        """Parse and validate a pointer.
-
-        Raises:
-            ManifestError: not JSON, unknown format/version, bad field, or checksum mismatch.
-        """
-        obj = _load_json(data, key, "pointer")
-        try:
-            _fields(obj, _POINTER_FIELDS, (), "pointer")
-            _check_format(obj, POINTER_FORMAT, POINTER_FORMAT_VERSION, "pointer")
-            checksum = obj["checksum"]
-            body = {k: v for k, v in obj.items() if k != "checksum"}
-            if not isinstance(checksum, str) or checksum != _sha256(body):
-                raise _Invalid("self-checksum mismatch")
-            if not isinstance(obj["manifest"], str):
-                raise _Invalid("manifest must be a string")
-            layout.validate_key_in_root(obj["manifest"])
-            p = cls.__new__(cls)
-            object.__setattr__(p, "step", obj["step"])
-            object.__setattr__(p, "manifest_key", obj["manifest"])
-            object.__setattr__(p, "attempt", obj["attempt"])
-            p._validate()
-            return p
-        except (_Invalid, ManifestError) as exc:
-            raise ManifestError(f"invalid pointer {key!r}: {exc}", key=key) from None
+def _parent(value: Any, version: int, timeline: int, step: int) -> tuple[int | None, int | None]:
+    """The parent ``(step, timeline)``: strictly older in ``(timeline, step)`` order."""
+    if value is None:
+        return None, None
+    if version == 1:
+        p_step, p_timeline = int_field(value, "parent", 0, layout.MAX_STEP), 0
+    else:
+        if not isinstance(value, dict) or set(value) != {"timeline", "step"}:
+            raise Invalid("parent must be null or {timeline, step}")
+        p_step = int_field(value["step"], "parent step", 0, layout.MAX_STEP)
+        p_timeline = int_field(value["timeline"], "parent timeline", 0, layout.MAX_TIMELINE)
+    if (p_timeline, p_step) >= (timeline, step):
+        raise Invalid(
+            f"parent (timeline {p_timeline}, step {p_step}) is not older than (timeline {timeline}, step {step})"
+        )
+    if p_timeline > timeline:
+        raise Invalid(f"parent timeline {p_timeline} is newer than this manifest's timeline {timeline}")
+    return p_step, p_timeline

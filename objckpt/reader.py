@@ -1,9 +1,9 @@
 """Resolving, validating and reading committed checkpoints (invariants 10-13).
 
-Resolution costs a constant number of requests whatever the number of shards or of old
-checkpoints: one GET of ``LATEST``, one LIST of ``manifests/`` after the pointer's key (which
-rolls forward over a commit whose pointer update was lost), and one GET of the newest manifest.
-``data/`` is never listed. With no pointer, or a corrupt one, ``manifests/`` is listed alone.
+Resolution costs a constant number of requests whatever the number of shards, of old
+checkpoints and of timelines (:mod:`objckpt.history`): the pointer, a LIST of ``manifests/`` and
+one of ``timelines/`` after it, the head's manifest and its quarantine marker. ``data/`` is never
+listed.
 
 Every manifest is validated before use (:meth:`Manifest.decode`: schema, version, self-checksum,
 every key inside its own attempt). :meth:`Reader.candidates` additionally HEAD-checks every shard
@@ -32,6 +32,7 @@ from .errors import (
     describe,
     is_damage,
 )
+from .history import Head, History, Line
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Pointer, ShardReceipt
 from .store.base import Store
 
@@ -59,53 +60,55 @@ class Problem:
 
 
 class Reader:
-    """Reads committed checkpoints from one run root. Thread-safe; holds no state but the store."""
+    """Reads committed checkpoints from one run root. Thread-safe; holds no state but the store.
+
+    Resolution, the fallback order and step names follow the head's line (:mod:`objckpt.history`):
+    a checkpoint on an abandoned branch is never returned as latest nor fallen back to.
+    """
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self.history = History(store)
 
     # ------------------------------------------------------------------ resolution
 
     def pointer(self) -> Pointer | None:
         """The decoded ``LATEST`` pointer (1 GET); None when absent or corrupt (logged)."""
-        try:
-            data = self.store.get(layout.POINTER_KEY)
-        except NotFoundError:
-            return None
-        try:
-            return Pointer.decode(data, key=layout.POINTER_KEY)
-        except ManifestError as exc:
-            log.warning(
-                "ignoring corrupt pointer %s in %s (falling back to listing manifests/): %s",
-                layout.POINTER_KEY,
-                self.store.location,
-                exc,
-            )
-            return None
+        return self.history.pointer()
+
+    def head(self) -> Head:
+        """The head checkpoint's timeline and manifest key, in O(1) requests (not validated)."""
+        return self.history.resolve()
 
     def latest(self) -> Manifest | None:
-        """The newest committed manifest that passes validation, or None if nothing is committed.
+        """The newest committed checkpoint (on the newest timeline) whose manifest validates, or
+        None if nothing is committed. Shards are not checked (see :meth:`latest_valid`).
 
-        Costs 1 GET (pointer) + 1 LIST (``manifests/`` after the pointer's key) + 1 GET
-        (manifest) in the common case; shards are not checked (see :meth:`latest_valid`). A
-        manifest that fails validation is skipped with a warning and its predecessor tried.
+        Costs O(1) requests in the common case: the pointer, a LIST of ``manifests/`` and one of
+        ``timelines/`` after it, the head's manifest and its quarantine marker.
         """
-        return next(self._walk(check_shards=False), None)
+        return next(self.manifests(), None)
 
     def latest_valid(self, *, full: bool = False) -> Manifest | None:
         """The newest checkpoint that passes :meth:`candidates` checks, or None."""
         return next(self.candidates(full=full), None)
 
     def candidates(self, *, full: bool = False) -> Iterator[Manifest]:
-        """Validated, shard-checked manifests in fallback order: the newest committed first, then
-        along the parent chain (then older listed manifests where the chain is broken).
+        """Validated, shard-checked manifests in fallback order: the head first, then along its
+        line (parents, then older checkpoints of the line where the parent chain is broken).
 
         Each is checked with :meth:`check` (HEAD: presence, size, version), or with ``full=True``
-        with :meth:`verify` (download and CRC32C of every shard, which also catches bit rot the
-        store's metadata does not show). A rejected checkpoint is skipped with a
-        ``logging.warning`` naming step, key and reason.
+        with :meth:`verify` (download and CRC32C of every shard). A rejected checkpoint is
+        skipped with a ``logging.warning`` naming step, key and reason.
         """
         return self._walk(check_shards=True, full=full)
+
+    def manifests(self, head: Head | None = None) -> Iterator[Manifest]:
+        """Validated manifests in fallback order, without checking their shards: for restore
+        paths that verify every byte they read anyway, so a shard check up front would only cost
+        requests. Quarantined checkpoints are skipped (logged). ``head``: an already resolved
+        head (saves resolving twice)."""
+        return self._walk(check_shards=False, head=head)
 
     def restore(self, loader: Callable[[Manifest], T]) -> tuple[Manifest, T]:
         """Run ``loader(manifest)`` on each candidate in fallback order until one succeeds.
@@ -128,10 +131,10 @@ class Reader:
                 if not is_damage(exc):
                     raise
                 why = describe(exc)
-                rejected.append(f"step {manifest.step}: {why}")
+                rejected.append(f"step {manifest.label}: {why}")
                 log.warning(
-                    "rejecting checkpoint step %d (%s) while loading, falling back to its parent %s: %s",
-                    manifest.step,
+                    "rejecting checkpoint step %s (%s) while loading, falling back to its parent %s: %s",
+                    manifest.label,
                     manifest.key,
                     manifest.parent,
                     why,
@@ -139,105 +142,138 @@ class Reader:
         detail = f" (rejected: {'; '.join(rejected)})" if rejected else ""
         raise NoCheckpointError(f"no valid checkpoint under {self.store.location}{detail}")
 
-    def manifests(self) -> Iterator[Manifest]:
-        """Validated manifests in fallback order (newest committed first, then along the parent
-        chain), without checking their shards: for restore paths that verify every byte they
-        read anyway, so a shard check up front would only cost requests."""
-        return self._walk(check_shards=False)
-
-    def latest_before(self, step: int) -> Manifest | None:
-        """The newest validated manifest with a step below ``step`` (a commit's parent)."""
-        for m in self._walk(check_shards=False, quiet_missing=True):
-            if m.step < step:
-                return m
-        return None
-
-    def _list_manifest_keys(self, start_after: str | None) -> dict[int, str]:
-        found: dict[int, str] = {}
-        for meta in self.store.list(layout.MANIFEST_PREFIX, start_after=start_after):
-            step = layout.step_of_manifest_key(meta.key)
-            if step is None:
-                log.debug("ignoring non-manifest object %s under manifests/", meta.key)
-                continue
-            found[step] = meta.key
-        return found
+    def is_quarantined(self, manifest: Manifest) -> bool:
+        """Whether ``manifest`` was set aside (``objckpt quarantine``): 1 GET."""
+        try:
+            self.store.head(layout.quarantine_key(manifest.timeline, manifest.step))
+        except NotFoundError:
+            return False
+        return True
 
     def _walk(
-        self, *, check_shards: bool, full: bool = False, quiet_missing: bool = False
+        self, *, check_shards: bool, full: bool = False, head: Head | None = None
     ) -> Iterator[Manifest]:
-        pointer = self.pointer()
-        # THE resolution LIST: only manifests/, only after the pointer's key. Never data/.
-        known = self._list_manifest_keys(pointer.manifest_key if pointer else None)
-        if pointer is not None:
-            known.setdefault(pointer.step, pointer.manifest_key)
-        fully_listed = pointer is None  # without a pointer the listing above was complete
-        floor: int | None = None  # steps >= floor have been tried
-        follow: int | None = None  # the parent step of the last manifest decoded
+        head = head or self.history.resolve()
+        if head.key is None:
+            return
+        tried: set[str] = set()
+        key: str | None = head.key
+        line: Line | None = None
+        listed: list[tuple[int, int]] = []
+        last: tuple[int, int] | None = None
         while True:
-            if follow is None:
-                below = [s for s in known if floor is None or s < floor]
-                if not below and not fully_listed:
-                    # Fallback only (everything newer was rejected or the chain is broken):
-                    # a full listing of manifests/ finds older committed steps.
-                    known.update(self._list_manifest_keys(None))
-                    fully_listed = True
-                    continue
-                if not below:
+            if key is None:
+                # The parent chain ended or broke: walk the rest of the line from a listing.
+                if line is None:
+                    line = self.history.line(head.timeline)
+                    listed = line.order(self.history.manifest_keys())
+                    # only what lies below the last checkpoint tried, in the line's order
+                    floor = _line_rank(line, last) if last is not None else None
+                    listed = [r for r in listed if floor is None or _line_rank(line, r) > floor]
+                while listed and layout.manifest_key(listed[0][1], listed[0][0]) in tried:
+                    listed.pop(0)
+                if not listed:
                     return
-                step, via_parent = max(below), False
-            else:
-                step, via_parent, follow = follow, True, None
-            floor = step
-            key = layout.manifest_key(step)
+                ref = listed.pop(0)
+                key = layout.manifest_key(ref[1], ref[0])
+            tried.add(key)
+            current, key = key, None
+            last = layout.parse_manifest_key(current)
             try:
-                manifest = self._fetch(key)
+                manifest = self.fetch(current)
             except NotFoundError:
-                if via_parent or quiet_missing:
-                    log.debug("parent manifest %s is gone (collected); continuing", key)
-                else:
-                    log.warning("checkpoint step %d: manifest %s is missing; skipping it", step, key)
+                log.debug("manifest %s is gone (collected); continuing along the line", current)
                 continue
             except ManifestError as exc:
-                log.warning("rejecting checkpoint step %d (%s): %s", step, key, exc)
+                label = "?" if last is None else (str(last[1]) if last[0] == 0 else f"t{last[0]}:{last[1]}")
+                log.warning("rejecting checkpoint step %s (%s): %s", label, current, exc)
                 continue
-            follow = manifest.parent
+            if line is None:
+                key = manifest.parent_key
+                if key is not None and key in tried:
+                    key = None
+            if self.is_quarantined(manifest):
+                log.warning(
+                    "skipping checkpoint step %s (%s): it is quarantined (objckpt quarantine)",
+                    manifest.label,
+                    manifest.key,
+                )
+                continue
             if check_shards:
                 problems = self.verify(manifest) if full else self.check(manifest)
                 if problems:
                     log.warning(
-                        "rejecting checkpoint step %d (%s), falling back to its parent %s: %s",
-                        step,
-                        key,
+                        "rejecting checkpoint step %s (%s), falling back to its parent %s: %s",
+                        manifest.label,
+                        current,
                         manifest.parent,
                         "; ".join(str(p) for p in problems),
                     )
                     continue
             yield manifest
 
-    def _fetch(self, key: str) -> Manifest:
+    def fetch(self, key: str) -> Manifest:
+        """The manifest stored at ``key``, validated.
+
+        Raises:
+            NotFoundError: no such manifest. ManifestError: it fails validation.
+        """
         data = self.store.get(key)
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest {key!r} is too large ({len(data)} bytes)", key=key)
         return Manifest.decode(data, key=key)
 
-    def load(self, step: int) -> Manifest:
-        """The manifest of ``step``, validated (shards not checked; see :meth:`check`).
+    _fetch = fetch
+
+    def locate(self, step: int, timeline: int | None = None) -> str:
+        """The manifest key of ``step``: on ``timeline`` when given, else the checkpoint of that
+        step on the head's line, else on the newest timeline holding it (an abandoned one).
+
+        Raises:
+            NoCheckpointError: no committed checkpoint of that step.
+        """
+        if timeline is not None:
+            return layout.manifest_key(step, timeline)
+        keys = self.history.manifest_keys()
+        matching = [ref for ref in keys if ref[1] == step]
+        if not matching:
+            raise NoCheckpointError(f"no committed checkpoint for step {step} under {self.store.location}")
+        head = self.history.resolve()
+        on_line = self.history.line(head.timeline).order(matching)
+        ref = on_line[0] if on_line else max(matching)
+        return keys[ref]
+
+    def load(self, step: int, timeline: int | None = None) -> Manifest:
+        """The manifest of ``step`` (see :meth:`locate`), validated (shards not checked).
 
         Raises:
             NoCheckpointError: no manifest for ``step``.
             ManifestError: it exists but fails validation.
         """
-        key = layout.manifest_key(step)
+        key = self.locate(step, timeline)
         try:
-            return self._fetch(key)
+            return self.fetch(key)
         except NotFoundError:
             raise NoCheckpointError(
                 f"no committed checkpoint for step {step} ({key} not found in {self.store.location})"
             ) from None
 
+    def line(self) -> list[tuple[int, int]]:
+        """Every committed ``(timeline, step)`` on the head's line, newest first."""
+        head = self.history.resolve()
+        return self.history.line(head.timeline).order(self.history.manifest_keys())
+
     def steps(self) -> list[int]:
-        """Committed steps, ascending, from one listing of ``manifests/``."""
-        return sorted(self._list_manifest_keys(None))
+        """Committed steps on the head's line, ascending (abandoned branches left out)."""
+        return sorted(step for _, step in self.line())
+
+    def checkpoints(self) -> dict[tuple[int, int], str]:
+        """Every committed ``(timeline, step)`` and its manifest key, abandoned ones included."""
+        return self.history.manifest_keys()
+
+    def _list_manifest_keys(self, start_after: str | None) -> dict[int, str]:
+        """Steps of timeline 0 (revision-1 view), kept for the code that predates timelines."""
+        return {step: key for (t, step), key in self.history.manifest_keys(start_after).items() if t == 0}
 
     # ------------------------------------------------------------------ shards
 
@@ -321,6 +357,11 @@ class Reader:
                     raise  # an outage is not damage: verify fails with the store's error
                 problems.append(Problem(manifest.step, r.key, describe(exc, with_key=False), r.rank))
         return sorted(problems, key=lambda p: p.key)
+
+
+def _line_rank(line: Line, ref: tuple[int, int]) -> tuple[int, int]:
+    position = line.position(ref)
+    return (position if position is not None else len(line.segments), -ref[1])
 
 
 def agree_on_step(steps_by_rank: Mapping[int, int | None]) -> int | None:

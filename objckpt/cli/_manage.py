@@ -72,10 +72,11 @@ def _print_result(out: Any, result: Any) -> None:
 
 def gc_plan_dict(plan: Any) -> dict[str, Any]:
     return {
-        "kept": {str(s): why for s, why in sorted(plan.kept.items())},
+        "kept": {(str(s) if t == 0 else f"t{t}:{s}"): why for (t, s), why in sorted(plan.kept.items())},
         "delete": [
             {
                 "step": d.step,
+                "timeline": d.timeline,
                 "manifest": d.key,
                 "attempt": d.attempt,
                 "shards": len(d.shard_keys),
@@ -180,7 +181,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     policy = gcmod.RetentionPolicy(keep_last=0, pinned=frozenset(s for s in steps if s != step))
     full = gcmod.plan_gc(store, policy)
     planned = [d for d in full.manifests if d.step == step]
-    kept = full.kept.get(step)
+    kept = full.why_kept(step)
     facts = RmFacts(
         step=step,
         head=max(steps),

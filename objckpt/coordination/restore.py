@@ -37,10 +37,12 @@ from ..errors import (
     is_damage,
     with_rank,
 )
+from ..history import Head
 from ..manifest import Manifest
 from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store.base import Store
+from . import lineage
 from .comm import Comm, agree
 from .save import _check_same_root
 
@@ -132,8 +134,11 @@ class RestoreSession:
         agree(comm, hello, _decide_handshake, f"{self.label} handshake", handshake=True)
 
         candidates: Iterator[Manifest] | None = None
-        if comm.rank == 0 and step is None:
-            candidates = self.reader.manifests()
+        head: Head | None = None
+        if comm.rank == 0:
+            head = self.reader.head()
+            if step is None:
+                candidates = self.reader.manifests(head)
         fallbacks: list[tuple[int, str]] = []
         while True:
             manifest = self._propose(candidates, step, fallbacks)
@@ -185,6 +190,7 @@ class RestoreSession:
             _decide_restored,
             f"{self.label}(step={manifest.step}) agreement",
         )
+        self._record_position(manifest, head, step, fallbacks)
         if self.metrics is not None:
             self.metrics.record_restore(
                 manifest.step,
@@ -195,6 +201,43 @@ class RestoreSession:
             self.metrics.record_restart(step=manifest.step, reason="resumed from a checkpoint")
         log.info("restored checkpoint step %d from %s", manifest.step, self.store.location)
         return Restored(manifest, staged, fallbacks)  # type: ignore[arg-type]
+
+    def _record_position(
+        self, manifest: Manifest, head: Head | None, step: int | None, fallbacks: list[tuple[int, str]]
+    ) -> None:
+        """Where the next save continues (invariant T2), decided on rank 0 and sent to all:
+        on the head's timeline when the head was restored, else on a new timeline (claimed by
+        the first commit) whose base is what was restored."""
+        decision: dict[str, object] = {}
+        if self.comm.rank == 0:
+            assert head is not None
+            if manifest.key == head.key:
+                decision = {"timeline": head.timeline}
+            else:
+                abandoned = [r for r in self.reader.line() if r > manifest.ref]
+                decision = {
+                    "timeline": None,
+                    "reason": "fallback" if step is None else "restore",
+                    "abandons": [str(s) if t == 0 else f"t{t}:{s}" for t, s in abandoned],
+                }
+        decision = self.comm.broadcast(decision, f"{self.label}(step={manifest.step}) lineage")
+        timeline = decision.get("timeline")
+        lineage.record(
+            self.store,
+            lineage.Position(
+                manifest,
+                int(timeline) if isinstance(timeline, int) else None,  # type: ignore[arg-type]
+                str(decision.get("reason", "")),
+                tuple(decision.get("abandons") or ()),  # type: ignore[arg-type]
+                restored=True,
+            ),
+        )
+        if timeline is None:
+            log.info(
+                "restored step %s, which is not the head of %s: the next save starts a new timeline from it",
+                manifest.label,
+                self.store.location,
+            )
 
     # ------------------------------------------------------------------ resolution (rank 0)
 
@@ -213,7 +256,7 @@ class RestoreSession:
                     proposal = {"none": True}
                 else:
                     body = manifest.encode()
-                    proposal = {"step": manifest.step}
+                    proposal = {"step": manifest.step, "timeline": manifest.timeline}
             except Exception as exc:  # noqa: BLE001 - raised on every rank
                 proposal = {"error": encode_error(exc)}
         proposal = comm.broadcast(proposal, f"{self.label} proposal")
@@ -222,10 +265,11 @@ class RestoreSession:
         if proposal.get("none"):
             return None
         target = int(proposal["step"])  # type: ignore[call-overload]
+        timeline = int(proposal.get("timeline", 0))  # type: ignore[call-overload]
         data = comm.broadcast_bytes(body, f"{self.label}(step={target}) manifest")
         # Every rank validates what it received (schema, keys, self-checksum): a manifest that
         # was corrupted on the way is refused, never used.
-        return Manifest.decode(data, key=layout.manifest_key(target))
+        return Manifest.decode(data, key=layout.manifest_key(target, timeline))
 
     def _next(
         self, candidates: Iterator[Manifest] | None, step: int | None, fallbacks: list[tuple[int, str]]

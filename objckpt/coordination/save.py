@@ -46,8 +46,11 @@ from ..errors import (
 from ..gc import DEFAULT_GRACE_PERIOD, RetentionPolicy, retain
 from ..manifest import Manifest, ShardReceipt, run_identity
 from ..metrics import CheckpointMetrics
+from ..reader import Reader
 from ..store.base import Store
+from ..timelines import claim_timeline
 from ..writer import ShardWriter
+from . import lineage
 from .comm import Comm, agree
 
 __all__ = ["SaveSession", "SaveTicket"]
@@ -97,6 +100,20 @@ class SaveTicket:
     @property
     def bytes_written(self) -> int:
         return sum(r.size for r in self.receipts)
+
+
+def _manifest_key_of(body: bytes, step: int) -> str:
+    """The key a manifest received from rank 0 must have been committed at (its own timeline
+    and ``step``); decoding then checks the rest."""
+    import json
+
+    try:
+        timeline = json.loads(body).get("timeline", 0)
+    except ValueError:
+        timeline = 0
+    return layout.manifest_key(
+        step, timeline if isinstance(timeline, int) and not isinstance(timeline, bool) else 0
+    )
 
 
 def _check_same_root(hellos: list[dict[str, Any]]) -> None:
@@ -326,7 +343,8 @@ class SaveSession:
                 self.metrics.record_failure(step, attempt, error, phase="commit")
             raise error
         body = comm.broadcast_bytes(body if comm.rank == 0 else None, f"{what} manifest")
-        manifest = Manifest.decode(body, key=layout.manifest_key(step))
+        manifest = Manifest.decode(body, key=_manifest_key_of(body, step))
+        lineage.record(self.store, lineage.Position(manifest, manifest.timeline))
         if self.metrics is not None:
             now = time.monotonic()
             self.metrics.record_commit(
@@ -402,7 +420,8 @@ class SaveSession:
             if self._coordinator is None or self._coordinator.world_size != len(reports):
                 # once per world size: construction checks (and warns about) the store
                 self._coordinator = Coordinator(self.store, world_size=len(reports))
-            return self._coordinator.commit(
+            timeline, after = self._where_to_commit(step)
+            manifest = self._coordinator.commit(
                 step,
                 attempt,
                 receipts,
@@ -410,7 +429,11 @@ class SaveSession:
                 run=run_identity({**self.identity, **dict(run or {})}),
                 topology=topology,
                 metadata=metadata,
+                timeline=timeline,
+                after=after,
             )
+            lineage.record(self.store, lineage.Position(manifest, manifest.timeline))
+            return manifest
         except CommitError:
             raise
         except Exception as exc:  # noqa: BLE001 - becomes the same CommitError on every rank
@@ -418,6 +441,49 @@ class SaveSession:
             raise CommitError(
                 f"step {step} attempt {attempt} not committed: the coordinator failed: {why}", {0: why}
             ) from exc
+
+    def _where_to_commit(self, step: int) -> tuple[int, tuple[int, int] | None]:
+        """Rank 0: the timeline this save commits on and the checkpoint it continues from.
+
+        After restoring the head (or nothing) that is the head's timeline; after restoring
+        anything else (an explicit step, a fallback past damage) a new timeline is claimed here,
+        once, whose base is the restored checkpoint (invariant T2), and the abandoned steps are
+        logged at INFO.
+        """
+        pos = lineage.position(self.store)
+        if pos is None:
+            head = Reader(self.store).head()
+            return head.timeline, head.ref
+        if pos.restored and pos.timeline is not None and step <= pos.base.step:
+            # Saving a step that is not after the checkpoint just restored (re-saving it, or an
+            # earlier one): the committed steps from there on belong to the line being left.
+            pos = lineage.Position(pos.base, None, "restore", (), restored=True)
+        if pos.timeline is not None:
+            pointer = Reader(self.store).pointer()
+            if pointer is not None and pointer.timeline > pos.timeline:
+                # Someone (a rollback from the CLI, another job) started a newer timeline: this
+                # save lands on an abandoned line and will never be restored. Say so, loudly.
+                log.warning(
+                    "saving on timeline %d under %s, but timeline %d has been started since (a rollback?): "
+                    "this checkpoint will never be the latest; restore to continue on the new head",
+                    pos.timeline,
+                    self.store.location,
+                    pointer.timeline,
+                )
+            return pos.timeline, pos.base.ref
+        claim = claim_timeline(self.store, pos.base, reason=pos.reason or "restore")
+        log.info(
+            "saving on new timeline %d from step %s under %s (restored %s); abandoned: %s",
+            claim.timeline,
+            pos.base.label,
+            self.store.location,
+            "after a fallback past damage"
+            if pos.reason == "fallback"
+            else "a checkpoint that was not the head",
+            ", ".join(pos.abandons) or "nothing",
+        )
+        lineage.record(self.store, lineage.Position(pos.base, claim.timeline))
+        return claim.timeline, pos.base.ref
 
     def retain(self) -> None:
         """Apply the retention policy (rank 0, after a commit); logs instead of raising."""

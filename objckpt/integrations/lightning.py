@@ -341,7 +341,7 @@ class ObjckptCheckpointIO(_CheckpointIO):
                 log.info(
                     "checkpoint step %d kept for now (%s); removed after a later commit",
                     step,
-                    plan.kept.get(step, "not yet safe"),
+                    plan.why_kept(step) or "not yet safe",
                 )
 
     def teardown(self) -> None:

@@ -73,6 +73,13 @@ def hash_config(config: Any) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+def _key_of(body: bytes) -> str:
+    from .. import layout
+
+    obj = json.loads(body)
+    return layout.manifest_key(int(obj["step"]), int(obj.get("timeline", 0)))
+
+
 def _not_replicated(name: str, rank: int, first: Any, mine: Any) -> Exception:
     first, mine = dict(first or {}), dict(mine or {})
     names = sorted(n for n in set(first) | set(mine) if first.get(n) != mine.get(n))
@@ -397,6 +404,37 @@ class CheckpointManager:
             return None
         self.fallbacks.extend(restored.fallbacks)
         return restored.step
+
+    def rollback(self, step: int, *, timeline: int | None = None) -> int:
+        """Make committed checkpoint ``step`` the head again and continue from it on a new
+        timeline (after a loss spike, say); every rank calls it. Returns the new timeline.
+
+        Metadata only (one create-if-absent claim and one pointer update, no shard copied). The
+        steps after ``step`` on the old line are abandoned: restores never resume them, retention
+        keeps them for ``keep_abandoned`` (7 days by default), then collects them. Call
+        :meth:`restore` afterwards to load ``step`` into the live objects.
+
+        Raises (identically on every rank):
+            NoCheckpointError: no such committed checkpoint, or it is damaged or quarantined.
+        """
+        self._check_open()
+        self._background.settle()
+        from ..coordination import lineage
+        from ..coordination.comm import agree
+        from ..timelines import rollback
+
+        def decide(_: list[Any]) -> dict[str, Any]:
+            claim = rollback(self.store, step, timeline=timeline)
+            return {"timeline": claim.timeline}
+
+        outcome = agree(self.comm, None, decide, f"rollback(step={step})", handshake=True)
+        base = self.reader.load(step, timeline) if self.rank == 0 else None
+        body = self.comm.broadcast_bytes(
+            base.encode() if base is not None else None, f"rollback(step={step}) base"
+        )
+        base = Manifest.decode(body, key=_key_of(body))
+        lineage.record(self.store, lineage.Position(base, int(outcome["timeline"])))
+        return int(outcome["timeline"])
 
     def latest_step(self) -> int | None:
         """The newest committed step (no shard checks), or None. Local: no collective."""

@@ -240,7 +240,7 @@ def test_restore_resolves_on_rank_0_only(world_size: int) -> None:
     for rank, counter in enumerate(counters):
         manifest_reads = [k for op, k in counter.calls if k.startswith(("manifests/", "LATEST"))]
         if rank == 0:
-            assert counter.counts["list_page"] == 1 and manifest_reads
+            assert counter.counts["list_page"] == 2 and manifest_reads  # manifests/, timelines/
         else:  # no LIST, no pointer or manifest GET: the manifest came from rank 0
             assert counter.counts["list_page"] == 0 and manifest_reads == []
 

@@ -109,7 +109,7 @@ def test_gc_keeps_the_parent_until_the_newest_verifies():
     store.delete([newest.shards[0].key])  # the newest does not verify
     plan = collect(store, RetentionPolicy(keep_last=1))
     assert committed_steps(store) == [20, 30]
-    assert "verifies" in plan.kept[20]
+    assert "verifies" in plan.kept[(0, 20)]
     assert Reader(store).latest_valid().step == 20
 
 
@@ -204,6 +204,6 @@ def test_gc_leaves_unreadable_manifests_and_their_data_alone(clock):
     store.delete([m10.key])
     store.put(m10.key, b"{corrupt", mode=PutMode.CREATE)
     plan = collect(store, RetentionPolicy(keep_last=1), now=clock.advance(GRACE * 2))
-    assert 10 in plan.kept and store.get(m10.key) == b"{corrupt"
+    assert (0, 10) in plan.kept and store.get(m10.key) == b"{corrupt"
     assert all(store.head(s.key) for s in m10.shards)
     assert committed_steps(store) == [10, 30]

@@ -65,7 +65,8 @@ def test_manifest_records_every_required_field_and_round_trips():
     m = manifest()
     d = json.loads(m.encode())
     assert d["format"] == FORMAT and d["format_version"] == FORMAT_VERSION
-    assert (d["step"], d["attempt"], d["world_size"], d["parent"]) == (STEP, ATTEMPT, 2, 100)
+    assert (d["step"], d["attempt"], d["world_size"]) == (STEP, ATTEMPT, 2)
+    assert (d["timeline"], d["parent"]) == (0, {"timeline": 0, "step": 100})
     assert d["topology"] == {"world_size": 2, "nodes": 1}
     assert d["run"]["config_hash"] == "abc" and d["run"]["dataset_snapshot"] == "ds-7"
     assert set(d["run"]["software"]) >= {"objckpt", "python", "torch"}
@@ -140,7 +141,7 @@ def test_create_refuses_to_mix_attempts():
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"format_version": 2}, "format_version"),
+        ({"format_version": 99}, "format_version"),
         ({"format": "someone.else"}, "format"),
         ({"step": STEP + 1}, "stored at"),  # copied to another step's key
         ({"parent": STEP}, "parent"),
@@ -225,3 +226,37 @@ def test_pointer_round_trip_and_validation():
             Pointer.decode(canonical_json(forged))
     with pytest.raises(ManifestError, match="checksum"):
         Pointer.decode(p.encode().replace(b"120", b"121"))
+
+
+def test_a_revision_1_manifest_is_read_as_timeline_0() -> None:
+    """Revision-1 run roots stay readable: format_version 1, integer parent, no timeline."""
+    import hashlib
+
+    from objckpt.manifest import canonical_json
+
+    m = manifest()
+    body = {k: v for k, v in m.body().items() if k != "timeline"}
+    body["format_version"] = 1
+    body["parent"] = 100
+    raw = canonical_json({**body, "checksum": hashlib.sha256(canonical_json(body)).hexdigest()})
+    old = Manifest.decode(raw, key=m.key)
+    assert (old.timeline, old.step, old.parent_ref, old.format_version) == (0, STEP, (0, 100), 1)
+    assert old.encode() == raw  # re-encoded in its own version: its checksum still holds
+
+
+def test_timelines_have_their_own_keys_and_parents_must_be_older() -> None:
+    m = Manifest.create(
+        step=10, attempt=ATTEMPT, world_size=1, shards=[], timeline=2, parent=30, parent_timeline=0
+    )
+    assert m.key == "manifests/t0000000002-00000000000000000010.json" and m.label == "t2:10"
+    assert Manifest.decode(m.encode(), key=m.key).parent_ref == (0, 30)
+    with pytest.raises(ManifestError, match="stored at"):
+        Manifest.decode(m.encode(), key="manifests/00000000000000000010.json")  # timeline 0's key
+    with pytest.raises(ValueError, match="not older"):
+        Manifest.create(
+            step=10, attempt=ATTEMPT, world_size=1, shards=[], timeline=1, parent=10, parent_timeline=1
+        )
+    with pytest.raises(ValueError, match="not older"):
+        Manifest.create(
+            step=50, attempt=ATTEMPT, world_size=1, shards=[], timeline=1, parent=10, parent_timeline=2
+        )  # noqa: E501

@@ -64,3 +64,31 @@ def test_torchrun_restart_resumes_from_last_commit(tmp_path: Path) -> None:
     assert reference.returncode == 0, ref_out[-3000:]
     assert "restart" not in reference.stdout
     assert _digest(out) == _digest(ref_out)
+
+
+def test_a_damaged_latest_checkpoint_is_resaved_on_a_new_timeline_across_torchrun_restarts(
+    tmp_path: Path,
+) -> None:
+    """Issue 11's crash loop, end to end: step 40 is damaged; the job falls back to 30, saves 40
+    again (a new timeline, no CommitConflict), crashes, and the restart resumes the NEW 40."""
+    from objckpt.reader import Reader
+    from objckpt.store import open_store
+
+    first = _torchrun(tmp_path, "run", "--steps", "40")
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    store = open_store(f"file://{tmp_path}/run")
+    damaged = Reader(store).load(40)
+    shard = tmp_path / "run" / damaged.shard(1, "rank.bin").key
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size: only the CRC32C check while restoring sees it
+    shard.write_bytes(bytes(raw))
+
+    second = _torchrun(tmp_path, "run", "--steps", "60", "--crash-rank", "1", "--crash-at", "45")
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "CommitConflict" not in out
+    assert "restart 0: resumed from step 30" in out or "resumed from step 30" in out
+    assert "restart 1: resumed from step 40" in out  # the new 40, not the damaged one
+    head = Reader(store).latest()
+    assert (head.timeline, head.step) == (1, 60)
+    assert Reader(store).line()[:4] == [(1, 60), (1, 50), (1, 40), (0, 30)]

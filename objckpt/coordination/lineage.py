@@ -1,0 +1,83 @@
+"""Where the next save of a run root continues: the line this process is on (invariant T2).
+
+Restoring decides where saving continues, for every API alike (CheckpointManager, ``load_sharded``
+then ``save_sharded``, the plug-ins): the restore session records here what it restored and
+whether that was the head; the save session's commit (rank 0) reads it. Restoring the head (or
+nothing: a fresh run) continues on the head's timeline. Restoring anything else -- an explicit
+older step, or a fallback past damage -- makes the next save claim a new timeline whose base is
+the restored checkpoint, so re-saving a step that exists on the abandoned line succeeds and a
+restart afterwards resolves the new timeline, never the abandoned one.
+
+State is per process and per run root (the store's location; a memory store's identity).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+from ..manifest import Manifest
+from ..store.base import Store
+
+__all__ = ["Position", "forget", "position", "record"]
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where this process is on a run root's history.
+
+    Attributes:
+        base: the checkpoint the next save continues from (restored, or last committed).
+        timeline: the timeline to save on; ``None``: claim a new one from ``base`` first.
+        reason: why a new timeline is needed (``restore``, ``fallback``), for the claim.
+        abandons: the steps of the old line the new timeline leaves behind (for the log).
+        restored: ``base`` was restored (not committed by this process): saving a step that is
+            not after it (re-saving the step just restored, say) branches a new timeline from it
+            instead of colliding with the committed step.
+    """
+
+    base: Manifest
+    timeline: int | None
+    reason: str = ""
+    abandons: tuple[str, ...] = ()
+    restored: bool = False
+
+
+_lock = threading.Lock()
+_by_location: dict[str, Position] = {}
+#: memory stores share names (every MemoryStore("x") is a different store): keyed by the object,
+#: weakly, so a store's position dies with it and is never inherited by a later one
+_by_object: weakref.WeakKeyDictionary[Store, Position] = weakref.WeakKeyDictionary()
+
+
+def _target(store: Store) -> tuple[Store | None, str]:
+    inner = store
+    while getattr(inner, "inner", None) is not None:
+        inner = inner.inner  # wrappers name the same run root as the store they wrap
+    location = str(inner.location)
+    return (inner if location.startswith("memory://") else None), location
+
+
+def position(store: Store) -> Position | None:
+    obj, location = _target(store)
+    with _lock:
+        return _by_object.get(obj) if obj is not None else _by_location.get(location)
+
+
+def record(store: Store, pos: Position) -> None:
+    obj, location = _target(store)
+    with _lock:
+        if obj is not None:
+            _by_object[obj] = pos
+        else:
+            _by_location[location] = pos
+
+
+def forget(store: Store) -> None:
+    obj, location = _target(store)
+    with _lock:
+        if obj is not None:
+            _by_object.pop(obj, None)
+        else:
+            _by_location.pop(location, None)
