@@ -130,7 +130,7 @@ def test_ls_reads_manifests_only_never_data(committed, monkeypatch, capsys):
     calls = seen[0].calls
     assert calls, "no requests recorded"
     assert not [c for c in calls if c[1].startswith("data/")], calls
-    assert {op for op, _ in calls} <= {"get", "list_page", "head"}
+    assert {op for op, _ in calls} <= {"open", "list_page", "head"}
 
 
 def test_ls_empty_root(file_root):

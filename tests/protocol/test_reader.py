@@ -53,7 +53,7 @@ def test_resolving_latest_costs_the_same_requests_with_1000_checkpoints_as_with_
     m_small, counts_small, calls_small = resolve_counting(small)
     m_big, counts_big, calls_big = resolve_counting(big)
     assert (m_small, m_big) == (small_newest, big_newest)
-    assert counts_small == counts_big == {"get": 2, "list_page": 1}
+    assert counts_small == counts_big == {"open": 2, "list_page": 1}
     assert not any(k.startswith("data/") for _, k in calls_big)
 
 
@@ -86,7 +86,7 @@ def test_reader_rolls_forward_over_a_lost_pointer_update():
     assert lossy.injected and Reader(inner).pointer().step == 10
     m, counts, calls = resolve_counting(inner)
     assert m.step == 30
-    assert counts == {"get": 2, "list_page": 1}
+    assert counts == {"open": 2, "list_page": 1}
     assert ("list_page", "manifests/") in calls and not any(k.startswith("data/") for _, k in calls)
 
 
