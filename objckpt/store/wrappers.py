@@ -172,7 +172,8 @@ class PrefixStore(_Wrapper):
         problem = key_problem(prefix) if prefix else None
         if problem:
             raise ConfigError(f"invalid store prefix {prefix!r} under {inner.location}: {problem}")
-        options.setdefault("location", f"{inner.location.rstrip('/')}/{prefix}" if prefix else inner.location)
+        base = inner.location if inner.location.endswith("://") else inner.location.rstrip("/") + "/"
+        options.setdefault("location", base + prefix if prefix else inner.location)
         super().__init__(inner, **options)
         self.prefix = prefix
         self._root = prefix + "/" if prefix else ""

@@ -50,6 +50,7 @@ def test_the_inner_store_sees_full_keys_and_callers_see_relative_ones():
     assert big.key == "big" and inner.head("run/one/big").size == 3000
     assert {key for _, key in inner.calls} >= {"run/one/data/x", "run/one/", "run/one/data/", "run/one/big"}
     assert store.location == "memory://bucket/run/one"
+    assert PrefixStore(MemoryStore(), "run").location == "memory://run"  # no "memory:///run"
 
 
 def test_errors_name_the_key_relative_to_the_prefix_and_the_prefixed_location():
