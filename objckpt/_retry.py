@@ -65,6 +65,3 @@ class RetryPolicy:
             reraise=True,
         )
         return retrying(fn, *args, **kwargs)
-
-
-NO_RETRY = RetryPolicy(max_attempts=1)

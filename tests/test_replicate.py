@@ -160,8 +160,8 @@ class _SlicedSource(MemoryStore):
         self.read = 0
         self.max_ahead = 0
 
-    def _open(self, key, start):
-        for chunk in super()._open(key, start):
+    def _open(self, key, start, end):
+        for chunk in super()._open(key, start, end):
             for i in range(0, len(chunk), self.CHUNK):
                 piece = chunk[i : i + self.CHUNK]
                 self.read += len(piece)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from ..errors import ConfigError
-
 
 class ViewReader(io.RawIOBase):
     """A seekable, read-only file over a memoryview, so a part is sent without copying it.
@@ -48,15 +46,3 @@ class ViewReader(io.RawIOBase):
         chunk = self._view[self._pos : end].tobytes()
         self._pos = max(self._pos, end)
         return chunk
-
-
-def as_bool(name: str, value: Any) -> bool:
-    """An option's boolean value from a URI query string or a keyword (ConfigError otherwise)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"option {name} must be true or false, got {value!r}")

@@ -3,17 +3,25 @@
 Shaped after arrow-rs ``object_store``: a handful of primitives that a backend implements
 (underscore methods), and the public methods derived from them here, once, for every backend:
 
+* every key a public method takes is checked by :func:`key_problem` (one rule for every backend,
+  plus the backend's stricter :meth:`Store._key_rule`) before any request: an invalid key raises
+  :class:`InvalidKeyError` naming the key and the location;
 * every primitive call goes through the store's :class:`RetryPolicy` (only ``TransientError`` is
   retried, so a wrapper that injects faults into the primitives is retried like a real server);
+* ``get`` and ``get_stream`` both read through the one ranged primitive ``_open(key, start, end)``;
+  ``get_stream`` resumes a broken download from its offset and verifies size and CRC32C;
 * ``list`` paginates with ``start_after`` so a listing interrupted by a transient error resumes;
 * ``put_stream`` re-chunks any byte source into parts and uploads at most ``max_in_flight`` parts
   at a time, each with its CRC32C, so peak memory is ``part_size x (max_in_flight + 1)`` whatever
   the object's size; on any failure the upload is aborted and nothing becomes visible;
-* ``get_stream`` resumes a broken download from its offset and verifies size and CRC32C.
+* ``abort_upload(PendingUpload)`` (GC) goes through ``_abort_upload`` with a handle rebuilt from
+  the pending upload, so a backend aborts uploads one way.
 
 Keys are ``/``-separated and relative to the store's root (the run root). Writes take a
 :class:`PutMode`: overwrite, create-if-absent, or update-if-version-matches. A mode a backend
-cannot honour raises :class:`NotSupportedError`; it never degrades to check-then-write.
+cannot honour raises :class:`NotSupportedError`; it never degrades to check-then-write. What a
+backend guarantees is its declared :class:`Capabilities`; a backend that declares nothing
+guarantees nothing, so protocol code refuses to commit on it (fail closed).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import IO, Any, ClassVar, Literal, Union
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, Union
 
 from .._crc import Buffer, Crc32c, crc32c_b64, encode_crc32c
 from .._retry import RetryPolicy
@@ -34,9 +42,14 @@ from ..errors import (
     AlreadyExistsError,
     ChecksumMismatchError,
     ConfigError,
+    InvalidKeyError,
     NotSupportedError,
     TransientError,
 )
+from ._options import Option
+
+if TYPE_CHECKING:
+    from ._uri import ParsedURI
 
 BytesSource = Union[Buffer, Iterable[Buffer], IO[bytes]]
 """What ``put_stream`` accepts: one buffer, an iterable of buffers, or a binary file object."""
@@ -113,22 +126,38 @@ class PendingUpload:
 class Capabilities:
     """What a backend guarantees. Protocol code refuses to run on a store lacking what it needs.
 
+    Every field must be given: there are no defaults, so a backend states each guarantee it
+    makes, and :attr:`Store.capabilities` of a backend that declares nothing is
+    :attr:`Capabilities.NONE` (fail closed).
+
     Attributes:
         create_if_absent: ``PutMode.CREATE`` is enforced by the server.
         compare_and_swap: ``PutMode.update`` is enforced by the server.
         atomic_conditionals: the two above hold under concurrent racing writers (moto: no).
-        server_verified_checksums: the server rejects a part whose CRC32C does not match.
     """
 
-    create_if_absent: bool = True
-    compare_and_swap: bool = True
-    atomic_conditionals: bool = True
-    server_verified_checksums: bool = True
+    create_if_absent: bool
+    compare_and_swap: bool
+    atomic_conditionals: bool
+
+    #: nothing guaranteed: what a Store subclass that declares nothing gets
+    NONE: ClassVar[Capabilities]
+    #: every conditional write enforced, atomically under races
+    ALL: ClassVar[Capabilities]
+
+
+Capabilities.NONE = Capabilities(create_if_absent=False, compare_and_swap=False, atomic_conditionals=False)
+Capabilities.ALL = Capabilities(create_if_absent=True, compare_and_swap=True, atomic_conditionals=True)
 
 
 @dataclass
 class UploadHandle:
-    """Backend-private state of one in-progress streamed upload."""
+    """Backend-private state of one in-progress streamed upload.
+
+    ``abort_upload(PendingUpload)`` rebuilds a handle from a pending upload (``key``,
+    ``upload_id``, ``mode=OVERWRITE``, empty ``state``), so ``_abort_upload`` must work from
+    those two fields alone.
+    """
 
     key: str
     mode: PutMode
@@ -147,14 +176,44 @@ class PartResult:
     token: Any = None  # e.g. the S3 part ETag or the GCS temporary object name
 
 
+def key_problem(key: object) -> str | None:
+    """Why ``key`` cannot name an object on any backend, or ``None`` when it can.
+
+    THE key rule, for every backend: a key is a non-empty ``str`` of ``/``-separated segments,
+    none empty, ``.`` or ``..`` (so no leading or trailing ``/`` and no ``//``), without NUL or
+    backslash. Such a key cannot name anything outside the store root on a server or a
+    filesystem that normalises paths, and every backend can hold it, so a checkpoint stays
+    portable between backends. Backends may refuse more (:meth:`Store._key_rule`).
+    """
+    if not isinstance(key, str):
+        return f"a key is a str, not {type(key).__name__}"
+    if not key:
+        return "empty key"
+    if key.startswith("/"):
+        return "keys are relative to the store root (no leading '/')"
+    if "\x00" in key:
+        return "NUL in key"
+    if "\\" in key:
+        return "backslash in key (the separator is '/')"
+    if any(seg in ("", ".", "..") for seg in key.split("/")):
+        return "empty, '.' or '..' segment"
+    return None
+
+
 class Store(ABC):
     """One object store location (bucket + prefix, or directory). Thread-safe.
 
-    Subclasses implement the underscore primitives; callers use the public methods.
+    Subclasses implement the underscore primitives, declare :attr:`capabilities` and
+    :attr:`OPTIONS`, and (to be opened by URI) :meth:`from_uri`; callers use the public methods.
     """
 
     #: scheme, e.g. ``s3``; set by subclasses
     scheme: ClassVar[str] = ""
+    #: the options this backend takes besides the common ones (``_options.COMMON_OPTIONS``)
+    OPTIONS: ClassVar[tuple[Option, ...]] = ()
+    #: what this backend guarantees; a subclass (or instance) that declares nothing guarantees
+    #: nothing, so committing refuses it (fail closed)
+    capabilities: Capabilities = Capabilities.NONE
 
     def __init__(
         self,
@@ -173,7 +232,8 @@ class Store(ABC):
         self.part_size = part_size
         self.max_in_flight = max_in_flight
         self.retry = retry or RetryPolicy()
-        self.capabilities = capabilities or Capabilities()
+        if capabilities is not None:  # else the class's declaration
+            self.capabilities = capabilities
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._retry_listeners: list[Callable[[BaseException, int], None]] = []
@@ -181,19 +241,34 @@ class Store(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r})"
 
+    @classmethod
+    def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> Store:
+        """The store for a parsed run-root URI. ``options`` are already checked against
+        :attr:`OPTIONS` and converted (``open_store`` does that, once); the common ones arrive
+        as ``Store.__init__`` keywords (``part_size``, ``max_in_flight``, ``retry``).
+
+        Raises:
+            ConfigError: the backend cannot be opened from a URI (override to allow it).
+        """
+        raise ConfigError(f"{cls.__name__} cannot be opened from a URI")
+
     # ------------------------------------------------------------------ primitives (backends)
 
     @abstractmethod
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
-        """Write one whole object atomically under ``mode``; the server verifies ``crc32c``."""
+        """Write one whole object atomically under ``mode``; the server verifies ``crc32c``
+        (:class:`ChecksumMismatchError` when the body does not match it)."""
 
     @abstractmethod
-    def _get(self, key: str, start: int, end: int | None) -> bytes:
-        """Bytes ``[start, end)`` of the object (``end=None``: to the end)."""
+    def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of the object (``end=None``: to its end), as chunks.
 
-    @abstractmethod
-    def _open(self, key: str, start: int) -> Iterator[bytes]:
-        """Stream the object from ``start``; may raise ``TransientError`` mid-iteration."""
+        Ranges are clamped at the object's end like HTTP ranges: a ``start`` at or past the end
+        yields nothing. Raises :class:`NotFoundError` for a missing key (possibly only at the
+        first ``next()``) and may raise :class:`TransientError` mid-iteration; the caller
+        retries (``get``) or resumes from its offset (``get_stream``). One call never mixes
+        bytes of two versions of the object.
+        """
 
     @abstractmethod
     def _head(self, key: str) -> ObjectMeta: ...
@@ -217,7 +292,8 @@ class Store(ABC):
     @abstractmethod
     def _upload_part(
         self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
-    ) -> PartResult: ...
+    ) -> PartResult:
+        """Upload one part; the server verifies ``crc32c`` (:class:`ChecksumMismatchError`)."""
 
     @abstractmethod
     def _complete_upload(
@@ -227,18 +303,31 @@ class Store(ABC):
 
     @abstractmethod
     def _abort_upload(self, handle: UploadHandle) -> None:
-        """Discard an upload's parts; idempotent. Nothing becomes visible."""
+        """Discard an upload's parts; idempotent. Nothing becomes visible. Must work with a
+        handle rebuilt from a :class:`PendingUpload` (``key`` and ``upload_id`` only)."""
 
     @abstractmethod
     def _list_uploads(self, prefix: str) -> list[PendingUpload]: ...
 
-    @abstractmethod
-    def _abort_pending(self, upload: PendingUpload) -> None: ...
-
-    def _close(self) -> None:
+    def _close(self) -> None:  # noqa: B027 - optional hook, not abstract: most backends have nothing to release
         """Release SDK clients; override when there are any."""
 
+    def _key_rule(self, key: str) -> str | None:
+        """A backend's stricter key rule on top of :func:`key_problem`: why ``key`` is refused,
+        or ``None`` (e.g. file:// reserves the ``.objckpt-`` prefix)."""
+        return None
+
     # ------------------------------------------------------------------ public API
+
+    def check_key(self, key: str, operation: str = "") -> None:
+        """Raise :class:`InvalidKeyError` (naming the key and this store's location) unless
+        ``key`` is valid here; no request is made. Every public method that takes a key calls
+        this first."""
+        problem = key_problem(key) or self._key_rule(key)
+        if problem:
+            raise InvalidKeyError(
+                f"invalid key: {problem}", key=str(key), location=self.location, operation=operation
+            )
 
     def add_retry_listener(self, listener: Callable[[BaseException, int], None]) -> None:
         """Call ``listener(error, attempt)`` before each retry (metrics, tests)."""
@@ -258,7 +347,10 @@ class Store(ABC):
             AlreadyExistsError: ``mode`` is CREATE and the key exists (nothing written).
             PreconditionFailedError: ``mode`` is an update and the version moved.
             NotSupportedError: the backend cannot enforce ``mode``.
+            InvalidKeyError: ``key`` breaks the key rule (no request made).
+            ChecksumMismatchError: the server rejected the body's CRC32C (nothing written).
         """
+        self.check_key(key, "put")
         view = memoryview(data).cast("B")
         self._check_mode(mode, key)
         crc = crc32c_b64(view)
@@ -299,8 +391,10 @@ class Store(ABC):
         that part is uploaded.
 
         Atomicity: the object appears only at completion, whole. On any failure (including
-        KeyboardInterrupt) the upload is aborted and the error re-raised.
+        KeyboardInterrupt) the upload is aborted and the error re-raised. Raises what ``put``
+        raises.
         """
+        self.check_key(key, "put")
         self._check_mode(mode, key)
         part_size = part_size or self.part_size
         max_in_flight = max_in_flight or self.max_in_flight
@@ -361,7 +455,7 @@ class Store(ABC):
             wait(in_flight)
             try:
                 self._call(self._abort_upload, handle)
-            except Exception:  # the original error matters more; GC sweeps leftovers
+            except Exception:  # noqa: BLE001 - the original error matters more; GC sweeps leftovers
                 pass
             raise
 
@@ -372,19 +466,26 @@ class Store(ABC):
         return self._call(self._upload_part, handle, number, offset, data, crc)
 
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
-        """Whole object, or bytes ``[start, end)`` of it.
+        """Whole object, or bytes ``[start, end)`` of it (clamped at the object's end, like an
+        HTTP range). One ``_open`` call, retried whole on a transient error.
 
         Raises:
             NotFoundError: no such key.
+            InvalidKeyError: ``key`` breaks the key rule (no request made).
         """
-        if byte_range is None:
-            return self._call(self._get, key, 0, None)
-        start, end = byte_range
-        if start < 0 or end < start:
-            raise ValueError(f"bad byte range {byte_range} for key {key!r}")
-        if end == start:
-            return b""
-        return self._call(self._get, key, start, end)
+        self.check_key(key, "get")
+        start, end = 0, None
+        if byte_range is not None:
+            start, end = byte_range
+            if start < 0 or end < start:
+                raise ValueError(f"bad byte range {byte_range} for key {key!r}")
+            if end == start:
+                return b""
+        return self._call(self._read, key, start, end)
+
+    def _read(self, key: str, start: int, end: int | None) -> bytes:
+        # One chunk is returned as is (bytes.join of a single bytes object does not copy).
+        return b"".join(self._open(key, start, end))
 
     def get_stream(
         self,
@@ -397,14 +498,20 @@ class Store(ABC):
 
         The final ``next()`` raises :class:`ChecksumMismatchError` if the size or CRC32C differ
         from what was expected; consumers must not use the bytes before the stream is exhausted.
+        An invalid key raises :class:`InvalidKeyError` here, before any request; a missing
+        object raises :class:`NotFoundError` at the first ``next()``.
         """
+        self.check_key(key, "get")
+        return self._stream(key, expected_size, expected_crc32c)
+
+    def _stream(self, key: str, expected_size: int | None, expected_crc32c: str | None) -> Iterator[bytes]:
         crc = Crc32c()
         retries = 0
         streak_started = time.monotonic()
         while True:
             resumed_at = crc.size
             try:
-                for chunk in self._open(key, crc.size):
+                for chunk in self._open(key, crc.size, None):
                     crc.update(chunk)
                     if expected_size is not None and crc.size > expected_size:
                         raise ChecksumMismatchError(
@@ -450,7 +557,13 @@ class Store(ABC):
         return b"".join(self.get_stream(key, expected_size=expected_size, expected_crc32c=expected_crc32c))
 
     def head(self, key: str) -> ObjectMeta:
-        """Size, version and (when known) CRC32C. Raises :class:`NotFoundError`."""
+        """Size, version and (when known) CRC32C.
+
+        Raises:
+            NotFoundError: no such key.
+            InvalidKeyError: ``key`` breaks the key rule (no request made).
+        """
+        self.check_key(key, "head")
         return self._call(self._head, key)
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
@@ -472,9 +585,14 @@ class Store(ABC):
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete keys in batches of up to 1,000; absent keys are ignored. Not atomic as a whole:
-        callers order deletions so that a crash part-way leaves nothing dangling."""
+        callers order deletions so that a crash part-way leaves nothing dangling.
+
+        Raises:
+            InvalidKeyError: a key breaks the key rule (nothing of its batch is deleted).
+        """
         batch: list[str] = []
         for key in keys:
+            self.check_key(key, "delete")
             batch.append(key)
             if len(batch) == MAX_DELETE_BATCH:
                 self._call(self._delete_batch, batch)
@@ -487,8 +605,13 @@ class Store(ABC):
         return self._call(self._list_uploads, prefix)
 
     def abort_upload(self, upload: PendingUpload) -> None:
-        """Abort one pending upload found by :meth:`list_uploads`; idempotent."""
-        self._call(self._abort_pending, upload)
+        """Abort one pending upload found by :meth:`list_uploads`; idempotent.
+
+        Goes through ``_abort_upload`` with a handle rebuilt from ``upload``. The key is not
+        checked against the key rule: GC must be able to abort an upload whatever its key.
+        """
+        handle = UploadHandle(key=upload.key, mode=PutMode.OVERWRITE, upload_id=upload.upload_id)
+        self._call(self._abort_upload, handle)
 
     def close(self) -> None:
         with self._pool_lock:
@@ -605,11 +728,6 @@ def _collect(done: set[Future[PartResult]], progress: Callable[[int], None] | No
     return out
 
 
-def join_key(*parts: str) -> str:
-    """Join key segments with single slashes."""
-    return "/".join(p.strip("/") for p in parts if p.strip("/"))
-
-
 __all__ = [
     "BytesSource",
     "Capabilities",
@@ -623,4 +741,5 @@ __all__ = [
     "UploadHandle",
     "encode_crc32c",
     "iter_parts",
+    "key_problem",
 ]

@@ -1,7 +1,9 @@
 """``gs://bucket/prefix``: Google Cloud Storage (and fake-gcs-server for tests).
 
-How each guarantee maps onto GCS (every one is the server's own; there is never a check-then-write
-on the client):
+:class:`GCSStore` addresses a bucket; ``open_store`` puts the run root's prefix on it with a
+:class:`~objckpt.store.wrappers.PrefixStore` and keeps the store's private area (below) under
+the run root. How each guarantee maps onto GCS (every one is the server's own; there is never a
+check-then-write on the client):
 
 * create-if-absent is ``ifGenerationMatch=0``; compare-and-swap is ``ifGenerationMatch=<gen>``;
   the version token is the object's generation (as a string). A 412 becomes
@@ -10,39 +12,36 @@ on the client):
   checks against the bytes it received and rejects on mismatch. The server's CRC32C of the stored
   object (returned by every upload) is compared with ours as well, so a server or proxy that does
   not check (fake-gcs-server does not) still cannot make a corrupted write look successful.
+  Either way the caller gets :class:`ChecksumMismatchError`.
 * ``put`` is one request: a multipart (metadata + media) upload up to 8 MiB, a single-session
   resumable upload above that (google-cloud-storage's own threshold).
 * ``put_stream`` is a *parallel composite upload*: each part becomes a temporary object under
-  ``<prefix>/.objckpt/parts/<upload id>/`` (uploaded from the base class's thread pool, at most
-  ``max_in_flight`` at a time); completion composes them (at most 32 sources per compose, so a
-  tree for more) into a staged temporary, checks the staged object's size and CRC32C against
+  ``<private root>/.objckpt/parts/<upload id>/`` (uploaded from the base class's thread pool, at
+  most ``max_in_flight`` at a time); completion composes them (at most 32 sources per compose, so
+  a tree for more) into a staged temporary, checks the staged object's size and CRC32C against
   the full-object CRC32C streamed by the base class, and only then publishes it with one more
   compose onto the target under the write's precondition. The target therefore appears at
   once, whole and verified, or not at all. Temporaries are deleted afterwards; ``abort`` deletes
-  them; a marker object ``<prefix>/.objckpt/uploads/<upload id>`` (metadata: target key) lets
-  ``list_uploads`` find abandoned uploads for GC. Nothing under ``.objckpt/`` is ever returned
-  by ``list`` or ``list_prefixes``, and user keys may not start with it.
+  them; a marker object ``<private root>/.objckpt/uploads/<upload id>`` (metadata: target key)
+  lets ``list_uploads`` find abandoned uploads for GC. Nothing under ``.objckpt/`` is ever
+  returned by ``list`` or ``list_prefixes``, and user keys may not start with it.
   GCS allows at most 1,024 components in a composite object, so one ``put_stream`` may have at
   most 1,024 parts: objects larger than ``1024 x part_size`` fail with a :class:`StoreError`
   telling to raise ``part_size``.
+* reads are ranged GETs: one for a bounded range (``get(byte_range=)``), ``read_chunk``-sized
+  ones for an open-ended read; the first one's answer names the object's generation and every
+  later range of the same read is pinned to it, so a read never mixes two versions. An object delivered whole by one answer is checked against the CRC32C the server
+  sends with it (a mismatch is corruption in transit: :class:`TransientError`, retried).
 * google-cloud-storage's own retries are off (``retry=None`` on every call): tenacity in
   :class:`~objckpt._retry.RetryPolicy` is the one retry layer.
 
-SDK exceptions are translated at this edge (:meth:`GCSStore._map_error`); nothing above this
-module sees google-cloud-storage, google-api-core or requests exceptions.
+SDK exceptions are translated at this edge, by one table (:data:`GCS_ERROR_STATUSES`, then
+:data:`GCS_CLIENT_ERRORS`) and one function (:meth:`GCSStore._map_error`), applied by one context
+manager (:meth:`GCSStore._mapped`) around every SDK call; nothing above this module sees
+google-cloud-storage, google-api-core or requests exceptions.
 
-Options (URI query parameters or ``open_store`` keywords):
-
-=================  ===========================================================================
-``endpoint_url``   API endpoint, e.g. ``http://127.0.0.1:4443`` for fake-gcs-server
-``project``        project for the client (default: the credentials' project)
-``anonymous``      ``true``: no credentials (emulators). Default: true when ``endpoint_url`` is
-                   given, else false (Application Default Credentials chain)
-``timeout``        seconds per HTTP request (default 60)
-``read_chunk``     bytes per ranged GET while streaming a download (default 8 MiB)
-``credentials``    a ``google.auth`` credentials object (keyword only)
-``client``         a ready ``google.cloud.storage.Client`` (keyword only; tests)
-=================  ===========================================================================
+Options: :attr:`GCSStore.OPTIONS` (``objckpt.store.options_for("gs")`` lists them with the common
+ones); ``credentials`` and ``client`` are keyword-only objects.
 """
 
 from __future__ import annotations
@@ -53,7 +52,8 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NoReturn
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import requests
 from google.api_core import exceptions as gexc
@@ -64,17 +64,19 @@ from google.cloud import storage
 from .._crc import crc32c_b64
 from ..errors import (
     AlreadyExistsError,
+    BucketNotFoundError,
+    ChecksumMismatchError,
     ConfigError,
-    InvalidKeyError,
     NotFoundError,
     PermissionDeniedError,
     PreconditionFailedError,
     StoreError,
     TransientError,
 )
-from ._util import ViewReader, as_bool
+from ._options import Option, anything, boolean, seconds, size, text
+from ._util import ViewReader
 from .base import (
-    MiB,
+    Capabilities,
     ObjectMeta,
     PartResult,
     PendingUpload,
@@ -82,6 +84,7 @@ from .base import (
     Store,
     UploadHandle,
 )
+from .wrappers import PrefixStore
 
 try:  # google-cloud-storage >= 3 vendors resumable-media; older versions use the package
     from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
@@ -89,27 +92,36 @@ except ImportError:  # pragma: no cover - google-cloud-storage 2.x
     from google.resumable_media import DataCorruption, InvalidResponse  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
-    from . import ParsedURI
+    from ._uri import ParsedURI
 
 log = logging.getLogger("objckpt.store.gcs")
 
-#: google-cloud-storage sends objects up to this size as one multipart request
-SINGLE_REQUEST_MAX = 8 * MiB
 #: GCS: at most 32 sources per compose request
 MAX_COMPOSE_SOURCES = 32
 #: GCS: a composite object has at most 1,024 components, however it was composed
 MAX_COMPONENTS = 1024
-DEFAULT_READ_CHUNK = 8 * MiB
+DEFAULT_READ_CHUNK = 8 * 1024 * 1024
 DEFAULT_TIMEOUT = 60.0
 
-#: private area under the store root; never listed, never a user key
+#: private area under the store's private root; never listed, never a user key
 PRIVATE = ".objckpt/"
-_PARTS = PRIVATE + "parts/"
-_UPLOADS = PRIVATE + "uploads/"
 _META_KEY = "objckpt-key"
 _META_UPLOAD = "objckpt-upload"
 
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# ---------------------------------------------------------------------------- error mapping
+
+_DENIED = "access denied (check the credentials and the bucket's IAM)"
+_RETRYABLE = "server error, retryable"
+
+#: THE table for server answers: HTTP status -> (objckpt error class, what it means). Three
+#: statuses need more than the status (see GCSStore._map_error): 412 (which write mode), 404
+#: (object or bucket) and 400 (a checksum the server refused, or another rejection).
+GCS_ERROR_STATUSES: dict[int, tuple[type[StoreError], str]] = {
+    401: (PermissionDeniedError, _DENIED),
+    403: (PermissionDeniedError, _DENIED),
+    **dict.fromkeys((408, 429, 500, 502, 503, 504), (TransientError, _RETRYABLE)),
+}
+
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     requests.exceptions.ConnectionError,  # refused, reset, DNS, proxy
     requests.exceptions.Timeout,
@@ -118,6 +130,26 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
     TimeoutError,
     auth_exc.TransportError,  # token refresh could not reach the token server
+)
+#: the table for exceptions that are not server answers, checked in order (first match wins)
+GCS_CLIENT_ERRORS: tuple[tuple[tuple[type[BaseException], ...], type[StoreError], str], ...] = (
+    # bytes damaged in transit: the stored object is fine, a new download may succeed
+    ((DataCorruption,), TransientError, "download corrupted in transit"),
+    ((auth_exc.RefreshError,), PermissionDeniedError, "could not obtain a Google access token"),
+    ((auth_exc.DefaultCredentialsError,), PermissionDeniedError, "no usable Google credentials"),
+    ((requests.exceptions.SSLError,), StoreError, "TLS error talking to the endpoint"),  # no healing
+    (_CONNECTION_ERRORS, TransientError, "connection problem"),
+)
+#: everything the SDK raises: what the one translation point catches (other errors are bugs
+#: and propagate unchanged)
+_SDK_ERRORS: tuple[type[BaseException], ...] = (
+    gexc.GoogleAPIError,
+    InvalidResponse,
+    DataCorruption,
+    auth_exc.GoogleAuthError,
+    requests.exceptions.RequestException,
+    ConnectionError,
+    TimeoutError,
 )
 
 
@@ -145,8 +177,9 @@ def _server_message(exc: BaseException) -> str:
 
 
 class GCSStore(Store):
-    """Objects under ``gs://bucket/prefix/``. Thread-safe (one client, shared; requests made
-    lazily, none in the constructor).
+    """Objects in ``gs://bucket`` (keys are full object names; ``open_store`` wraps the store in
+    a :class:`PrefixStore` for a run root below the bucket). Thread-safe (one client, shared;
+    requests made lazily, none in the constructor).
 
     Atomicity: ``put`` is one upload request; ``put_stream`` becomes visible only with the final
     compose, whole and CRC32C-verified. CREATE and update modes are enforced by the server
@@ -159,19 +192,39 @@ class GCSStore(Store):
 
     Raises (from every method): :class:`TransientError` (429, 408, 5xx, timeouts, connection
     resets; retried by the store's policy), :class:`PermissionDeniedError` (401/403, no usable
-    credentials), :class:`NotFoundError` (object, or the bucket: the message says which),
-    :class:`AlreadyExistsError` / :class:`PreconditionFailedError` (conditional write lost),
-    :class:`StoreError` (400 and any other rejection, e.g. a CRC32C mismatch).
+    credentials), :class:`NotFoundError` (no such object), :class:`BucketNotFoundError` (no such
+    bucket), :class:`AlreadyExistsError` / :class:`PreconditionFailedError` (conditional write
+    lost), :class:`ChecksumMismatchError` (the server refused or stored other bytes than sent),
+    :class:`StoreError` (400 and any other rejection), :class:`InvalidKeyError` (the key rule, or
+    a key in the private area; no request made).
     """
 
     scheme = "gs"
-    OPTIONS = ("endpoint_url", "project", "anonymous", "timeout", "read_chunk", "credentials", "client")
+    OPTIONS = (
+        Option("endpoint_url", text, None, "API endpoint, e.g. http://127.0.0.1:4443 for fake-gcs-server"),
+        Option("project", text, None, "project for the client (default: the credentials' project)"),
+        Option(
+            "anonymous",
+            boolean,
+            None,
+            "true: no credentials (emulators); default true with an endpoint_url, else the "
+            "Application Default Credentials chain",
+        ),
+        Option("timeout", seconds, DEFAULT_TIMEOUT, "seconds per HTTP request"),
+        Option("read_chunk", size, "8MiB", "bytes per ranged GET while reading"),
+        Option(
+            "credentials", anything, None, "a google.auth credentials object", secret=True, keyword_only=True
+        ),
+        Option("client", anything, None, "a ready google.cloud.storage.Client (tests)", keyword_only=True),
+    )
+    # Every precondition is the server's (ifGenerationMatch), decided atomically by GCS.
+    capabilities = Capabilities.ALL
 
     def __init__(
         self,
         bucket: str,
-        prefix: str = "",
         *,
+        private_root: str = "",
         endpoint_url: str | None = None,
         project: str | None = None,
         anonymous: bool | None = None,
@@ -181,18 +234,24 @@ class GCSStore(Store):
         client: Any = None,
         **store_kwargs: Any,
     ) -> None:
-        """Open ``gs://bucket/prefix``. No request is made (and no credential looked up) here.
+        """Open ``gs://bucket``. No request is made (and no credential looked up) here.
+
+        ``private_root``: where the private area lives (``<private_root>/.objckpt/``);
+        ``open_store`` passes the run root's prefix, so the temporaries of a run stay under its
+        root (one prefix-scoped IAM grant covers them) and keys under ``<run>/.objckpt/`` are
+        reserved.
 
         Raises:
             ConfigError: an invalid option.
         """
         self.bucket_name = bucket
-        self.prefix = prefix.strip("/")
-        location = f"gs://{bucket}/{self.prefix}" if self.prefix else f"gs://{bucket}"
-        super().__init__(location=location, **store_kwargs)
+        super().__init__(location=f"gs://{bucket}", **store_kwargs)
         if timeout <= 0 or read_chunk < 1:
-            raise ConfigError(f"timeout and read_chunk must be positive for {location}")
-        self._root = self.prefix + "/" if self.prefix else ""
+            raise ConfigError(f"timeout and read_chunk must be positive for {self.location}")
+        root = private_root.strip("/")
+        self._private = (root + "/" if root else "") + PRIVATE
+        self._parts = self._private + "parts/"
+        self._uploads = self._private + "uploads/"
         self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
         self.project = project
         self.anonymous = (endpoint_url is not None) if anonymous is None else anonymous
@@ -209,25 +268,11 @@ class GCSStore(Store):
         self._unsure = threading.local()
 
     @classmethod
-    def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> GCSStore:
-        from . import common_store_kwargs, parse_size
-
-        options = dict(options)
-        kwargs = common_store_kwargs(options)
-        if "anonymous" in options:
-            kwargs["anonymous"] = as_bool("anonymous", options.pop("anonymous"))
-        if "timeout" in options:
-            value = options.pop("timeout")
-            try:
-                kwargs["timeout"] = float(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"timeout must be a number of seconds, got {value!r}") from None
-        if "read_chunk" in options:
-            kwargs["read_chunk"] = parse_size(options.pop("read_chunk"))
-        for name in ("endpoint_url", "project", "credentials", "client"):
-            if name in options:
-                kwargs[name] = options.pop(name)
-        return cls(parsed.bucket, parsed.prefix, **kwargs)
+    def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> Store:
+        """``gs://bucket/prefix?...``: the bucket's store (private area under the prefix), inside
+        a :class:`PrefixStore` for the prefix."""
+        store = cls(parsed.bucket, private_root=parsed.prefix, **options)
+        return PrefixStore(store, parsed.prefix) if parsed.prefix else store
 
     def __repr__(self) -> str:  # never the credentials
         return f"GCSStore({self.location!r})"
@@ -269,7 +314,7 @@ class GCSStore(Store):
             adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=size, max_retries=0)
             client._http.mount("https://", adapter)
             client._http.mount("http://", adapter)
-        except Exception:  # pragma: no cover - a performance tweak only
+        except (AttributeError, TypeError):  # pragma: no cover - a performance tweak only
             log.debug("could not resize the HTTP connection pool", exc_info=True)
         return client
 
@@ -285,29 +330,19 @@ class GCSStore(Store):
                 self._aux = ThreadPoolExecutor(max_workers=8, thread_name_prefix="objckpt-gcs")
             return self._aux
 
-    def _name(self, key: str) -> str:
-        return self._root + key
-
-    def _key(self, name: str) -> str:
-        return name[len(self._root) :]
-
     def _meta(self, blob: Any, key: str | None = None) -> ObjectMeta:
         return ObjectMeta(
-            key=self._key(blob.name) if key is None else key,
+            key=blob.name if key is None else key,
             size=int(blob.size or 0),
             version=str(blob.generation),
             crc32c=blob.crc32c,
             last_modified=blob.updated or blob.time_created,
         )
 
-    def _check_key(self, key: str, operation: str) -> None:
-        if key.startswith(PRIVATE):
-            raise InvalidKeyError(
-                f"keys under {PRIVATE!r} are reserved for objckpt's temporary upload parts",
-                key=key,
-                location=self.location,
-                operation=operation,
-            )
+    def _key_rule(self, key: str) -> str | None:
+        if key.startswith(self._private):
+            return f"keys under {self._private!r} are reserved for objckpt's temporary upload parts"
+        return None
 
     @staticmethod
     def _generation_match(mode: PutMode) -> int | None:
@@ -316,6 +351,14 @@ class GCSStore(Store):
         if mode.kind == "update":
             return int(mode.version)  # type: ignore[arg-type]
         return None
+
+    def _generation_or_refuse(self, mode: PutMode, key: str) -> int | None:
+        try:
+            return self._generation_match(mode)
+        except ValueError:  # not a generation: it cannot match the current one
+            raise PreconditionFailedError(
+                f"{mode.version!r} is not a GCS generation", key=key, location=self.location, operation="put"
+            ) from None
 
     def _bucket_missing(self, exc: BaseException, operation: str) -> bool:
         """Whether a 404 is about the bucket rather than the object."""
@@ -331,8 +374,8 @@ class GCSStore(Store):
         # fake-gcs-server says just "Not Found" for both: ask once, then remember.
         try:
             exists = bool(self._bucket.exists(timeout=self.timeout, retry=None))
-        except Exception:
-            return False
+        except _SDK_ERRORS:
+            return False  # cannot tell: report the object as missing, as the server said
         self._bucket_seen = exists
         return not exists
 
@@ -341,29 +384,20 @@ class GCSStore(Store):
     ) -> BaseException:
         """Translate one SDK exception into the objckpt error a caller can act on.
 
-        ====================================================  ===================================
-        408, 429, 500, 502, 503, 504; timeouts, refused or     :class:`TransientError`
-        reset connections, a body cut short
-        412                                                    :class:`AlreadyExistsError`
-                                                               (CREATE) or
-                                                               :class:`PreconditionFailedError`
-        404 naming the bucket (or on a bucket-level call)      :class:`NotFoundError` "bucket ...
-                                                               does not exist"
-        404                                                    :class:`NotFoundError`
-        401, 403; no credentials                               :class:`PermissionDeniedError`
-        400 and every other status                             :class:`StoreError` (permanent)
-        a download whose CRC32C the SDK found wrong            :class:`TransientError`
-        ====================================================  ===================================
+        A server answer: 412 is :class:`AlreadyExistsError` (CREATE) or
+        :class:`PreconditionFailedError`; 404 is :class:`BucketNotFoundError` when the bucket is
+        missing (the message says so, the call addresses only the bucket, or the bucket was
+        asked about once), else :class:`NotFoundError`; 400 speaking of a checksum or CRC32C is
+        :class:`ChecksumMismatchError`; other statuses come from :data:`GCS_ERROR_STATUSES`,
+        and anything left is :class:`StoreError` (permanent). Other exceptions go through
+        :data:`GCS_CLIENT_ERRORS`. Returns ``exc`` itself when it is not an SDK error.
 
         The caller raises the result ``from exc`` so ``__cause__`` keeps the SDK error. Messages
         carry the HTTP status and the server's message, never request headers or credentials.
         """
         where = {"key": key, "location": self.location, "operation": operation}
-        if isinstance(exc, StoreError):
+        if isinstance(exc, (StoreError, ChecksumMismatchError)):
             return exc
-        if isinstance(exc, DataCorruption):
-            # Bytes damaged in transit: the stored object is fine, a new download may succeed.
-            return TransientError(f"download corrupted in transit: {exc}", **where)
         if isinstance(exc, (gexc.GoogleAPICallError, InvalidResponse)):
             status = _status_of(exc)
             detail = f"HTTP {status}: {_server_message(exc)}"
@@ -375,36 +409,35 @@ class GCSStore(Store):
                 return PreconditionFailedError(f"precondition failed; {detail}", **where)
             if status == 404:
                 if self._bucket_missing(exc, operation):
-                    return NotFoundError(f"bucket {self.bucket_name!r} does not exist; {detail}", **where)
+                    return BucketNotFoundError(
+                        f"bucket {self.bucket_name!r} does not exist; {detail}", **where
+                    )
                 return NotFoundError(f"no such object; {detail}", **where)
-            if status in (401, 403):
-                return PermissionDeniedError(
-                    f"access denied (check the credentials and the bucket's IAM); {detail}", **where
-                )
-            if status in _TRANSIENT_STATUS:
-                return TransientError(f"server error, retryable; {detail}", **where)
             if status == 400 and ("crc32c" in detail.lower() or "checksum" in detail.lower()):
-                return StoreError(
-                    f"server rejected the data: checksum mismatch ({detail}); the bytes sent do "
-                    "not match their CRC32C",
-                    **where,
+                return ChecksumMismatchError(
+                    f"server rejected the data: checksum mismatch ({detail}); the bytes sent do not "
+                    "match their CRC32C",
+                    key=key,
+                    location=self.location,
                 )
-            return StoreError(f"request rejected; {detail}", **where)
-        if isinstance(exc, auth_exc.RefreshError):
-            return PermissionDeniedError(f"could not obtain a Google access token: {exc}", **where)
-        if isinstance(exc, auth_exc.DefaultCredentialsError):
-            return PermissionDeniedError(f"no usable Google credentials: {exc}", **where)
-        if isinstance(exc, requests.exceptions.SSLError):  # certificates do not heal on retry
-            return StoreError(f"TLS error talking to the endpoint: {exc}", **where)
-        if isinstance(exc, _CONNECTION_ERRORS):
-            return TransientError(f"connection problem: {type(exc).__name__}: {exc}", **where)
+            cls, meaning = GCS_ERROR_STATUSES.get(status, (StoreError, "request rejected"))
+            return cls(f"{meaning}; {detail}", **where)
+        for types, cls, meaning in GCS_CLIENT_ERRORS:
+            if isinstance(exc, types):
+                return cls(f"{meaning}: {type(exc).__name__}: {exc}", **where)
         return exc
 
-    def _raise(self, exc: BaseException, operation: str, key: str, mode: PutMode | None = None) -> NoReturn:
-        mapped = self._map_error(exc, operation, key, mode)
-        if mapped is exc:
-            raise exc
-        raise mapped from exc
+    @contextmanager
+    def _mapped(self, operation: str, key: str, mode: PutMode | None = None) -> Iterator[None]:
+        """THE translation point: an SDK exception raised inside becomes its objckpt error
+        (:meth:`_map_error`), ``__cause__`` kept. Exactly once: no retry here."""
+        try:
+            yield
+        except _SDK_ERRORS as exc:
+            mapped = self._map_error(exc, operation, key, mode)
+            if mapped is exc:
+                raise
+            raise mapped from exc
 
     # ------------------------------------------------------------------ uploads
 
@@ -418,7 +451,8 @@ class GCSStore(Store):
         metadata: dict[str, str] | None = None,
     ) -> Any:
         """Upload one object in one upload session; the server checks ``crc32c`` (sent in the
-        object metadata) and we check the CRC32C it reports back. Returns the blob."""
+        object metadata) and we check the CRC32C it reports back. Returns the blob. SDK errors
+        are raised as they are (the caller maps them with the write's mode)."""
         blob = self._bucket.blob(name)
         blob.crc32c = crc32c  # part of the upload's metadata: GCS rejects a mismatch (400)
         if metadata:
@@ -436,38 +470,32 @@ class GCSStore(Store):
 
     def _reject_mismatch(self, blob: Any, crc32c: str, key: str, operation: str) -> None:
         """The server stored bytes whose CRC32C is not the one we computed: take our write
-        back (only that generation, never a later writer's) and fail."""
+        back (only that generation, never a later writer's) and fail like a server that refused
+        the body (:class:`ChecksumMismatchError`)."""
         if blob.crc32c == crc32c:
             return
         try:
             self._bucket.blob(blob.name).delete(
                 if_generation_match=blob.generation, timeout=self.timeout, retry=None
             )
-        except Exception:  # gone or replaced already: nothing of ours to take back
+        except _SDK_ERRORS:  # gone or replaced already: nothing of ours to take back
             log.warning("could not delete %s after a CRC32C mismatch", blob.name, exc_info=True)
-        raise StoreError(
-            f"checksum mismatch: the server stored CRC32C {blob.crc32c}, the bytes sent have "
-            f"{crc32c}; the write was deleted",
+        raise ChecksumMismatchError(
+            f"checksum mismatch on {operation}: the server stored CRC32C {blob.crc32c}, the bytes "
+            f"sent have {crc32c}; the write was deleted",
             key=key,
             location=self.location,
-            operation=operation,
         )
 
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
         """One upload request (resumable above 8 MiB), atomic, conditional on ``mode``."""
-        self._check_key(key, "put")
-        try:
-            generation = self._generation_match(mode)
-        except ValueError:
-            raise PreconditionFailedError(
-                f"{mode.version!r} is not a GCS generation", key=key, location=self.location, operation="put"
-            ) from None
+        generation = self._generation_or_refuse(mode, key)
         attempt = (key, crc32c, data.nbytes, mode)
         retrying = getattr(self._unsure, "put", None) == attempt
         self._unsure.put = None
         try:
-            blob = self._upload(self._name(key), data, crc32c, if_generation_match=generation)
-        except Exception as exc:
+            blob = self._upload(key, data, crc32c, if_generation_match=generation)
+        except _SDK_ERRORS as exc:
             mapped = self._map_error(exc, "put", key, mode)
             if isinstance(mapped, TransientError):
                 # The server may have applied the write before the error (a lost response):
@@ -498,26 +526,18 @@ class GCSStore(Store):
         return None
 
     def _create_upload(self, key: str, mode: PutMode) -> UploadHandle:
-        self._check_key(key, "put")
-        try:
-            self._generation_match(mode)
-        except ValueError:
-            raise PreconditionFailedError(
-                f"{mode.version!r} is not a GCS generation", key=key, location=self.location, operation="put"
-            ) from None
+        self._generation_or_refuse(mode, key)
         upload_id = uuid.uuid4().hex
         marker = memoryview(upload_id.encode())
-        try:
+        with self._mapped("create_upload", key):
             # The marker names the target key, so GC can find and abort an abandoned upload.
             self._upload(
-                self._name(_UPLOADS + upload_id),
+                self._uploads + upload_id,
                 marker,
                 crc32c_b64(marker),
                 if_generation_match=0,
                 metadata={_META_KEY: key},
             )
-        except Exception as exc:
-            self._raise(exc, "create_upload", key)
         return UploadHandle(key=key, mode=mode, upload_id=upload_id)
 
     def _upload_part(
@@ -531,13 +551,11 @@ class GCSStore(Store):
                 location=self.location,
                 operation="upload_part",
             )
-        name = self._name(f"{_PARTS}{handle.upload_id}/{part_number:05d}")
-        try:
+        name = f"{self._parts}{handle.upload_id}/{part_number:05d}"
+        with self._mapped("upload_part", handle.key):
             # Unconditional: the name is private to this upload, and a retry after a lost
             # response must be able to replace the part.
             blob = self._upload(name, data, crc32c, if_generation_match=None)
-        except Exception as exc:
-            self._raise(exc, "upload_part", handle.key)
         self._reject_mismatch(blob, crc32c, handle.key, "upload_part")
         return PartResult(part_number, offset, data.nbytes, crc32c, token=(name, blob.generation))
 
@@ -568,7 +586,8 @@ class GCSStore(Store):
         self, handle: UploadHandle, parts: list[PartResult], size: int, crc32c: str
     ) -> ObjectMeta:
         """Compose the parts (a tree of <= 32-source composes) into a staged object, verify its
-        size and CRC32C, then publish it onto the key with one conditional compose."""
+        size and CRC32C (:class:`ChecksumMismatchError`, nothing published), then publish it
+        onto the key with one conditional compose."""
         key, uid = handle.key, handle.upload_id
         numbers = [p.part_number for p in parts]
         if numbers != list(range(1, len(parts) + 1)) or sum(p.size for p in parts) != size:
@@ -580,39 +599,35 @@ class GCSStore(Store):
             )
         level: list[tuple[str, int]] = [p.token for p in parts]
         depth = 0
-        try:
+        with self._mapped("complete_upload", key):
             while len(level) > MAX_COMPOSE_SOURCES:
                 groups = [
                     level[i : i + MAX_COMPOSE_SOURCES] for i in range(0, len(level), MAX_COMPOSE_SOURCES)
                 ]
-                names = [self._name(f"{_PARTS}{uid}/c{depth}-{i:05d}") for i in range(len(groups))]
-                blobs = list(self._aux_pool().map(lambda ng: self._compose(ng[0], ng[1]), zip(names, groups)))
+                names = [f"{self._parts}{uid}/c{depth}-{i:05d}" for i in range(len(groups))]
+                blobs = list(self._aux_pool().map(self._compose, names, groups))
                 level = [(b.name, b.generation) for b in blobs]
                 depth += 1
-            staged = self._compose(self._name(f"{_PARTS}{uid}/whole"), level)
-        except Exception as exc:
-            self._raise(exc, "complete_upload", key)
+            staged = self._compose(f"{self._parts}{uid}/whole", level)
         if int(staged.size or 0) != size or staged.crc32c != crc32c:
-            raise StoreError(
+            raise ChecksumMismatchError(
                 f"composed object does not match its parts: {staged.size} bytes, CRC32C "
                 f"{staged.crc32c}; expected {size} bytes, CRC32C {crc32c}; nothing was published",
                 key=key,
                 location=self.location,
-                operation="complete_upload",
             )
         mode = handle.mode
-        target = self._name(key)
         try:
             final = self._compose(
-                target,
+                key,
                 [(staged.name, staged.generation)],
                 if_generation_match=self._generation_match(mode),
                 metadata={_META_UPLOAD: uid},
             )
-        except Exception as exc:
+        except _SDK_ERRORS as exc:
             mapped = self._map_error(exc, "complete_upload", key, mode)
             mine = (
-                self._published_by(target, uid)
+                self._published_by(key, uid)
                 if isinstance(mapped, (AlreadyExistsError, PreconditionFailedError))
                 else None
             )
@@ -629,8 +644,8 @@ class GCSStore(Store):
         """The object at ``name`` if this upload's compose wrote it, else ``None``."""
         try:
             blob = self._bucket.get_blob(name, timeout=self.timeout, retry=None)
-        except Exception:
-            return None
+        except _SDK_ERRORS:
+            return None  # cannot tell: the caller reports the conflict the server answered
         if blob is not None and (blob.metadata or {}).get(_META_UPLOAD) == upload_id:
             return blob
         return None
@@ -640,33 +655,28 @@ class GCSStore(Store):
         (the object is published; leftovers are found by ``list_uploads``)."""
 
         def discard() -> None:
-            try:
+            with self._mapped("abort_upload", ""):
                 self._discard(upload_id)
-            except Exception as exc:
-                self._raise(exc, "abort_upload", "")
 
         try:
             self.retry.call(discard, on_retry=self._notify_retry)
-        except Exception:
+        except StoreError:
             log.warning("left temporary parts of upload %s for GC", upload_id, exc_info=True)
 
     def _discard(self, upload_id: str) -> None:
         # Parts before the marker: while any part exists, the marker that finds it does too.
-        names = [b.name for b in self._list_names(self._name(f"{_PARTS}{upload_id}/"))]
+        names = [b.name for b in self._list_names(f"{self._parts}{upload_id}/")]
         self._delete_names(names)
-        self._delete_names([self._name(_UPLOADS + upload_id)])
+        self._delete_names([self._uploads + upload_id])
 
     def _abort_upload(self, handle: UploadHandle) -> None:
-        try:
+        """Delete the upload's parts and marker; needs only the upload id (GC rebuilds handles)."""
+        with self._mapped("abort_upload", handle.key):
             self._discard(handle.upload_id)
-        except Exception as exc:
-            self._raise(exc, "abort_upload", handle.key)
 
     def _list_uploads(self, prefix: str) -> list[PendingUpload]:
-        try:
-            markers = list(self._list_names(self._name(_UPLOADS)))
-        except Exception as exc:
-            self._raise(exc, "list_uploads", prefix)
+        with self._mapped("list_uploads", prefix):
+            markers = list(self._list_names(self._uploads))
         found = []
         for blob in markers:
             key = (blob.metadata or {}).get(_META_KEY)
@@ -674,78 +684,72 @@ class GCSStore(Store):
                 found.append(PendingUpload(key, blob.name.rsplit("/", 1)[1], blob.time_created))
         return sorted(found, key=lambda u: (u.key, u.upload_id))
 
-    def _abort_pending(self, upload: PendingUpload) -> None:
-        try:
-            self._discard(upload.upload_id)
-        except Exception as exc:
-            self._raise(exc, "abort_upload", upload.key)
-
     # ------------------------------------------------------------------ reads
 
-    def _get(self, key: str, start: int, end: int | None) -> bytes:
-        blob = self._bucket.blob(self._name(key))
-        try:
-            if start == 0 and end is None:
-                # Whole object: the SDK checks the bytes against the CRC32C header it gets.
-                return blob.download_as_bytes(checksum="crc32c", timeout=self.timeout, retry=None)
-            return blob.download_as_bytes(
-                start=start,
-                end=None if end is None else end - 1,
-                checksum=None,
-                timeout=self.timeout,
-                retry=None,
-            )
-        except gexc.RequestRangeNotSatisfiable:
-            return b""  # the range starts at or past the end: no bytes, like a slice
-        except Exception as exc:
-            self._raise(exc, "get", key)
-        raise AssertionError("unreachable")
+    def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+        """Bytes ``[start, end)``: one ranged GET for a bounded range, ranged GETs of
+        ``read_chunk`` bytes for an open-ended read (``end=None``).
 
-    def _open(self, key: str, start: int) -> Iterator[bytes]:
-        """Ranged GETs of ``read_chunk`` bytes, all of the generation found first, so a stream
-        never mixes two versions of an object."""
-        name = self._name(key)
-        head = self._head(key)
-        generation = int(head.version)
+        No HEAD first: the first range's answer names the generation (``x-goog-generation``), and
+        every later range is pinned to it, so one read never mixes two versions (a generation
+        replaced mid-read is a :class:`NotFoundError` saying so). A short answer is the end of
+        the object; a range at or past the end answers 416, which is the end too. When the first
+        answer holds the whole object, its bytes are checked against the ``x-goog-hash`` CRC32C
+        it came with (a mismatch is damage in transit: :class:`TransientError`, retried).
+        """
+        bucket = self._bucket
+        generation: int | None = None
         pos = start
-        while pos < head.size:
-            end = min(pos + self.read_chunk, head.size)
+        while end is None or pos < end:
+            # A bounded range (only get() asks for one, and returns it whole) is one request;
+            # an open-ended read streams read_chunk ranges, so its memory stays bounded.
+            want = self.read_chunk if end is None else end - pos
+            blob = bucket.blob(key, generation=generation)
             try:
-                chunk = self._bucket.blob(name, generation=generation).download_as_bytes(
-                    start=pos, end=end - 1, checksum=None, timeout=self.timeout, retry=None
-                )
-            except Exception as exc:
-                mapped = self._map_error(exc, "get", key)
-                if isinstance(mapped, NotFoundError):
-                    mapped = NotFoundError(
-                        f"generation {generation} was replaced or deleted while being read",
+                with self._mapped("get", key):
+                    chunk = blob.download_as_bytes(
+                        start=pos, end=pos + want - 1, checksum=None, timeout=self.timeout, retry=None
+                    )
+            except BucketNotFoundError:
+                raise
+            except NotFoundError as exc:
+                if generation is None:
+                    raise
+                raise NotFoundError(
+                    f"generation {generation} was replaced or deleted while being read",
+                    key=key,
+                    location=self.location,
+                    operation="get",
+                ) from exc
+            except StoreError as exc:
+                if isinstance(exc.__cause__, gexc.RequestRangeNotSatisfiable):
+                    return  # at or past the end: no bytes, like a slice
+                raise
+            if generation is None:
+                generation = int(blob.generation) if blob.generation is not None else None
+                whole = pos == 0 and len(chunk) < want
+                if whole and blob.crc32c and crc32c_b64(chunk) != blob.crc32c:
+                    raise TransientError(
+                        f"download corrupted in transit: CRC32C {crc32c_b64(chunk)}, the server "
+                        f"says {blob.crc32c}",
                         key=key,
                         location=self.location,
                         operation="get",
                     )
-                if mapped is exc:
-                    raise
-                raise mapped from exc
-            if not chunk:
-                raise TransientError(
-                    f"server sent no bytes at offset {pos} of {head.size}",
-                    key=key,
-                    location=self.location,
-                    operation="get",
-                )
+            if chunk:
+                yield chunk
+            if len(chunk) < want:
+                return
             pos += len(chunk)
-            yield chunk
 
     def _head(self, key: str) -> ObjectMeta:
-        blob = self._bucket.blob(self._name(key))
-        try:
+        blob = self._bucket.blob(key)
+        with self._mapped("head", key):
             blob.reload(timeout=self.timeout, retry=None)
-        except Exception as exc:
-            self._raise(exc, "head", key)
         return self._meta(blob, key)
 
     def _list_names(self, full_prefix: str) -> Iterator[Any]:
-        """Every object whose full name starts with ``full_prefix`` (all pages)."""
+        """Every object whose name starts with ``full_prefix`` (all pages)."""
         return iter(
             self.client.list_blobs(self.bucket_name, prefix=full_prefix, timeout=self.timeout, retry=None)
         )
@@ -753,13 +757,13 @@ class GCSStore(Store):
     def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:
         out: list[ObjectMeta] = []
         token = None
-        try:
+        with self._mapped("list", prefix):
             while True:
                 it = self.client.list_blobs(
                     self.bucket_name,
-                    prefix=self._name(prefix),
+                    prefix=prefix,
                     # inclusive on the server: the equal key is skipped below
-                    start_offset=self._name(start_after) if start_after is not None else None,
+                    start_offset=start_after,
                     page_size=limit,
                     page_token=token,
                     timeout=self.timeout,
@@ -767,40 +771,31 @@ class GCSStore(Store):
                 )
                 page = next(it.pages)
                 for blob in page:
-                    key = self._key(blob.name)
-                    if (start_after is not None and key <= start_after) or key.startswith(PRIVATE):
+                    name = blob.name
+                    if (start_after is not None and name <= start_after) or name.startswith(self._private):
                         continue
-                    out.append(self._meta(blob, key))
+                    out.append(self._meta(blob, name))
                 token = it.next_page_token
                 # Keep going past pages that held only hidden keys: an empty page with more to
                 # come would end the caller's listing early.
                 if out or not token:
                     return out, bool(token)
-        except Exception as exc:
-            self._raise(exc, "list", prefix)
-        raise AssertionError("unreachable")
 
     def _list_prefixes(self, prefix: str) -> list[str]:
-        try:
+        with self._mapped("list_prefixes", prefix):
             it = self.client.list_blobs(
-                self.bucket_name,
-                prefix=self._name(prefix),
-                delimiter="/",
-                timeout=self.timeout,
-                retry=None,
+                self.bucket_name, prefix=prefix, delimiter="/", timeout=self.timeout, retry=None
             )
             for _ in it:  # the prefixes accumulate as the pages go by
                 pass
-            found = [self._key(p) for p in it.prefixes]
-        except Exception as exc:
-            self._raise(exc, "list_prefixes", prefix)
-        return sorted(p for p in found if not p.startswith(PRIVATE))
+            found = list(it.prefixes)
+        return sorted(p for p in found if not p.startswith(self._private))
 
     # ------------------------------------------------------------------ deletes
 
     def _delete_names(self, names: list[str]) -> None:
-        """Delete full object names concurrently; absent ones are fine (a retried batch sees
-        its own earlier deletes), a missing bucket is not."""
+        """Delete object names concurrently; absent ones are fine (a retried batch sees its own
+        earlier deletes), a missing bucket is not. SDK errors are raised as they are."""
 
         def one(name: str) -> bool:
             try:
@@ -815,10 +810,10 @@ class GCSStore(Store):
         if not all(results) and not self._bucket_seen:
             try:
                 exists = bool(self._bucket.exists(timeout=self.timeout, retry=None))
-            except Exception:
+            except _SDK_ERRORS:
                 exists = True  # cannot tell; the deletes themselves did not fail
             if not exists:
-                raise NotFoundError(
+                raise BucketNotFoundError(
                     f"bucket {self.bucket_name!r} does not exist",
                     key="",
                     location=self.location,
@@ -827,10 +822,8 @@ class GCSStore(Store):
             self._bucket_seen = True
 
     def _delete_batch(self, keys: list[str]) -> None:
-        try:
-            self._delete_names([self._name(k) for k in keys])
-        except Exception as exc:
-            self._raise(exc, "delete", keys[0] if len(keys) == 1 else "")
+        with self._mapped("delete", keys[0] if len(keys) == 1 else ""):
+            self._delete_names(keys)
 
     def _close(self) -> None:
         with self._client_lock:
@@ -843,8 +836,8 @@ class GCSStore(Store):
         if client is not None:
             try:
                 client.close()
-            except Exception:  # pragma: no cover - closing is best effort
+            except Exception:  # noqa: BLE001 - closing is best effort; nothing to do about it
                 log.debug("closing the GCS client failed", exc_info=True)
 
 
-__all__ = ["GCSStore", "MAX_COMPONENTS", "MAX_COMPOSE_SOURCES", "SINGLE_REQUEST_MAX"]
+__all__ = ["GCSStore", "MAX_COMPONENTS", "MAX_COMPOSE_SOURCES"]

@@ -9,7 +9,13 @@ Layout below the root::
 Atomicity (each write lands a *new inode*, fully written and fsync'd, before it gets its name):
 
 * ``CREATE``: ``os.link(staging, target)``; the kernel refuses an existing name (``EEXIST`` ->
-  :class:`AlreadyExistsError`), so two racing creators cannot both win. No lock is needed.
+  :class:`AlreadyExistsError`), so two racing creators cannot both win. No lock is needed. On a
+  filesystem without hard links (some FUSE/SMB mounts: ``link`` fails with ``EPERM``/``ENOTSUP``)
+  a CREATE raises :class:`NotSupportedError` naming the root, unless the store was opened with
+  ``create=lock`` (``file:///path?create=lock``): then CREATE takes the key's stripe lock, tries
+  the link, and where links are refused checks the name and replaces it under that lock. That is
+  atomic only among objckpt writers that share the lock files (this host, or NFS with working
+  ``flock``), not against other programs writing the directory, which is why it is opt-in.
 * ``OVERWRITE``: ``os.replace(staging, target)``, under the key's stripe lock.
 * ``update(version)``: under the key's stripe lock, ``stat`` the target, compare its version,
   ``os.replace``. Because overwrite and delete take the same lock, no writer can slip between the
@@ -36,9 +42,10 @@ concurrently) and complete like a ``put``. The staging file's name records the u
 time and key (base64url; a ``~key`` side file when the name would be too long), so
 :meth:`list_uploads` reports uploads left by a crashed process and GC can abort them.
 
-Keys are ``/``-separated relative paths; a key that is empty, absolute, has empty, ``.`` or ``..``
-segments, contains NUL, or starts with the reserved ``.objckpt-`` is rejected with
-:class:`InvalidKeyError` (a ``ValueError``), so no key can name a file outside the root. (Symbolic
+Keys follow the one key rule of every store (:func:`~objckpt.store.base.key_problem`: no empty,
+``.`` or ``..`` segment, no leading ``/``, NUL or backslash); file:// also reserves a first
+segment starting with ``.objckpt-``. Others are rejected with :class:`InvalidKeyError` (a
+``ValueError``) before any filesystem call, so no key can name a file outside the root. (Symbolic
 links *inside* the root are followed on reads and writes, not in listings: whoever can create
 them already has write access to the root.) A filesystem cannot hold both ``a`` and ``a/b``;
 writing one while the other exists raises :class:`NotSupportedError`.
@@ -48,8 +55,14 @@ Errors: ``ENOENT`` -> :class:`NotFoundError`, ``EACCES``/``EPERM``/``EROFS`` ->
 full (not transient: retrying will not free space), ``EAGAIN``/``EBUSY``/``ETIMEDOUT``/``ESTALE``
 -> :class:`TransientError`, anything else -> :class:`StoreError`; each names the key and root.
 
-POSIX only (``fcntl``, ``os.link``, ``os.pwrite``). On filesystems without hard links, ``CREATE``
-falls back to check-and-replace under the stripe lock (atomic among objckpt writers).
+POSIX only (``fcntl``, ``os.link``, ``os.pwrite``).
+
+Options (URI query parameters or ``open_store`` keywords; see :data:`LocalStore.OPTIONS`):
+
+==========  ===========================================================================
+``create``  ``link`` (default): CREATE by hard link, atomic against every writer;
+            ``lock``: also allow filesystems without hard links (see above)
+==========  ===========================================================================
 """
 
 from __future__ import annotations
@@ -81,8 +94,10 @@ from ..errors import (
     StoreError,
     TransientError,
 )
+from ._options import Option, choice
 from .base import (
     DEFAULT_READ_CHUNK,
+    Capabilities,
     ObjectMeta,
     PartResult,
     PendingUpload,
@@ -92,7 +107,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from . import ParsedURI
+    from ._uri import ParsedURI
 
 STAGING_DIR = ".objckpt-staging"
 LOCKS_DIR = ".objckpt-locks"
@@ -130,9 +145,23 @@ class LocalStore(Store):
     """Objects as files below a root directory. Thread- and process-safe; see the module doc."""
 
     scheme = "file"
-    OPTIONS: tuple[str, ...] = ()
+    OPTIONS = (
+        Option(
+            "create",
+            choice("link", "lock"),
+            "link",
+            "how CREATE is enforced: link (hard link, atomic against every writer) or lock (also "
+            "on filesystems without hard links; atomic only among objckpt writers)",
+        ),
+    )
+    # CREATE by hard link and update/overwrite under flock: every guarantee holds under races
+    # (with create=lock, among objckpt writers, which the user opted into).
+    capabilities = Capabilities.ALL
 
-    def __init__(self, root: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, create: str = "link", **options: Any) -> None:
+        if create not in ("link", "lock"):
+            raise ConfigError(f"create must be 'link' or 'lock', got {create!r}")
+        self.create = create
         root = os.fspath(root)
         if not os.path.isabs(root):
             raise ConfigError(f"file:// store root must be an absolute path, got {root!r}")
@@ -146,32 +175,21 @@ class LocalStore(Store):
 
     @classmethod
     def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> LocalStore:
-        from . import common_store_kwargs
-
-        # parse_uri does not check file:// paths for '..'; __init__ does.
-        return cls(parsed.prefix, **common_store_kwargs(dict(options)))
+        # The path is the root itself (there is no bucket): no PrefixStore needed.
+        return cls(parsed.prefix, **options)
 
     # ------------------------------------------------------------------ keys and errors
 
+    def _key_rule(self, key: str) -> str | None:
+        if key.split("/", 1)[0].startswith(RESERVED_PREFIX):
+            return f"the first segment {RESERVED_PREFIX}* is reserved for file:// staging and locks"
+        return None
+
     def _path(self, key: str, operation: str) -> str:
-        """The file for ``key``; raises :class:`InvalidKeyError` for keys that could escape."""
-        if not isinstance(key, str) or not key:
-            raise InvalidKeyError("empty key", key=str(key), location=self.location, operation=operation)
-        segments = key.split("/")
-        bad = (
-            "\x00" in key
-            or any(seg in ("", ".", "..") for seg in segments)
-            or segments[0].startswith(RESERVED_PREFIX)
-        )
-        if bad:
-            raise InvalidKeyError(
-                "invalid key for a file:// store (absolute, empty/'.'/'..' segment, NUL, or the "
-                f"reserved {RESERVED_PREFIX}* prefix)",
-                key=key,
-                location=self.location,
-                operation=operation,
-            )
-        return os.path.join(self.root, *segments)
+        """The file for ``key``. Checked again here (the same rule as the public methods) so a
+        primitive called directly cannot name a file outside the root either."""
+        self.check_key(key, operation)
+        return os.path.join(self.root, *key.split("/"))
 
     def _error(self, exc: OSError, key: str, operation: str) -> StoreError:
         """Map an ``OSError`` to the objckpt error for it (the caller raises ``from exc``)."""
@@ -370,6 +388,20 @@ class LocalStore(Store):
         self._fsync_dir(parent, key, operation)
 
     def _link_create(self, staging: str, target: str, key: str, operation: str) -> None:
+        if self.create == "lock":
+            # Opted in: the lock makes link-or-check-and-replace one step among objckpt writers.
+            with self._key_lock(key, operation):
+                try:
+                    os.link(staging, target)
+                except FileExistsError:
+                    self._exists_error(target, key, operation)
+                except OSError as exc:
+                    if exc.errno not in _NO_LINK_ERRNOS:
+                        raise
+                    if os.path.lexists(target):
+                        self._exists_error(target, key, operation)
+                    os.replace(staging, target)
+            return
         try:
             os.link(staging, target)
         except FileExistsError:
@@ -377,11 +409,18 @@ class LocalStore(Store):
         except OSError as exc:
             if exc.errno not in _NO_LINK_ERRNOS:
                 raise
-            # No hard links here (some FUSE/SMB mounts): check and replace under the lock.
-            with self._key_lock(key, operation):
-                if os.path.lexists(target):
-                    self._exists_error(target, key, operation)
-                os.replace(staging, target)
+            # Never degrade silently to check-then-write: that would let another program's
+            # write between the check and the replace be overwritten.
+            raise NotSupportedError(
+                f"the filesystem holding {self.root} refuses hard links "
+                f"({errno.errorcode.get(exc.errno or 0, exc.errno)}), which file:// needs to enforce "
+                "create-if-absent atomically; use a filesystem with hard links, or open the store "
+                f"with file://{self.root}?create=lock to check under objckpt's lock files instead "
+                "(atomic only among objckpt writers)",
+                key=key,
+                location=self.location,
+                operation=operation,
+            ) from exc
         # after a link the staging name still exists; the caller discards it
 
     def _exists_error(self, target: str, key: str, operation: str) -> None:
@@ -544,9 +583,6 @@ class LocalStore(Store):
                 found.append(upload)
         return found
 
-    def _abort_pending(self, upload: PendingUpload) -> None:
-        self._discard(upload.upload_id)
-
     def _delete_batch(self, keys: list[str]) -> None:
         """Unlink each key (absent ones ignored), then fsync each touched directory once, so a
         caller that deletes a manifest before its shards keeps that order across a crash."""
@@ -586,35 +622,20 @@ class LocalStore(Store):
             raise NotFoundError("no such object", key=key, location=self.location, operation="get")
         return fd
 
-    def _get(self, key: str, start: int, end: int | None) -> bytes:
+    def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+        # A generator throughout: the file is opened at the first next() and closed when the
+        # stream ends or is closed, so an abandoned stream never leaks a descriptor.
         fd = self._open_read(key)
         try:
-            out = bytearray()
             pos = start
             while end is None or pos < end:
                 want = DEFAULT_READ_CHUNK if end is None else min(end - pos, DEFAULT_READ_CHUNK)
-                chunk = os.pread(fd, want, pos)
-                if not chunk:
-                    break  # past the end: ranges are clamped, like HTTP range requests
-                out += chunk
-                pos += len(chunk)
-            return bytes(out)
-        except OSError as exc:
-            raise self._error(exc, key, "get") from exc
-        finally:
-            os.close(fd)
-
-    def _open(self, key: str, start: int) -> Iterator[bytes]:
-        fd = self._open_read(key)
-        try:
-            pos = start
-            while True:
                 try:
-                    chunk = os.pread(fd, DEFAULT_READ_CHUNK, pos)
+                    chunk = os.pread(fd, want, pos)
                 except OSError as exc:
                     raise self._error(exc, key, "get") from exc
                 if not chunk:
-                    return
+                    return  # past the end: ranges are clamped, like HTTP range requests
                 pos += len(chunk)
                 yield chunk
         finally:

@@ -1,52 +1,29 @@
 """``s3://bucket/prefix``: Amazon S3 and S3-compatible servers (LocalStack, moto, MinIO...).
 
-Everything objckpt needs maps onto single S3 requests, so each guarantee is the server's own:
+:class:`S3Store` addresses a bucket; ``open_store`` puts the run root's prefix on it with a
+:class:`~objckpt.store.wrappers.PrefixStore`. Everything objckpt needs maps onto single S3
+requests, so each guarantee is the server's own:
 
 * create-if-absent is ``If-None-Match: *`` on PutObject and on CompleteMultipartUpload;
   compare-and-swap is ``If-Match: <etag>`` on PutObject (and CompleteMultipartUpload); the
   version token is the ETag. There is never a check-then-write on the client.
 * every PutObject / UploadPart carries ``x-amz-checksum-crc32c`` computed by the base class, so
-  the server rejects corrupted bytes; multipart uploads are created with ``ChecksumType=FULL_OBJECT``
-  (by default) and completed with the whole object's CRC32C, so the server checks the assembled
-  object too and ``head()`` reports the full-object CRC32C. A composite (``...-N``) checksum is
-  never reported as a CRC32C.
+  the server rejects corrupted bytes (:class:`ChecksumMismatchError`); multipart uploads are
+  created with ``ChecksumType=FULL_OBJECT`` (by default) and completed with the whole object's
+  CRC32C, so the server checks the assembled object too and ``head()`` reports the full-object
+  CRC32C. A composite (``...-N``) checksum is never reported as a CRC32C.
 * botocore's own retries are off (tenacity in :class:`~objckpt._retry.RetryPolicy` is the one
   retry layer) and its automatic extra checksums are limited to requests that require them,
   so S3-compatible servers that do not know the newer checksum headers keep working.
 
-SDK exceptions are translated at this edge (see :func:`map_s3_error`); nothing above this module
-sees botocore.
+SDK exceptions are translated at this edge, by one table (:data:`S3_ERROR_CODES`, then the HTTP
+status) and one function (:func:`map_s3_error`), applied by one context manager around every
+SDK call; nothing above this module sees botocore.
 
-Options (URI query parameters or ``open_store`` keywords):
-
-==========================  =====================================================================
-``endpoint_url``            S3-compatible endpoint, e.g. ``http://127.0.0.1:4566``
-``region``                  signing region (default: the profile's, else ``us-east-1``)
-``profile``                 a named profile from the AWS config files
-``path_style``              ``true``: ``http://host/bucket/key`` addressing (default with an
-                            ``endpoint_url``), ``false``: virtual-hosted
-``conditional_writes``      ``atomic`` (default, AWS), ``unsafe`` (server honours the headers
-                            but not atomically under races, e.g. moto), ``none`` (server ignores
-                            them: CREATE/update writes raise :class:`NotSupportedError`)
-``verified_checksums``      ``false`` when the server accepts parts whose CRC32C is wrong
-``checksum_type``           ``full_object`` (default) or ``composite`` (servers without
-                            FULL_OBJECT multipart checksums; ``head`` then reports no CRC32C
-                            for multipart objects)
-``connect_timeout``         seconds (default 10)
-``read_timeout``            seconds without a byte from the server (default 60)
-``max_pool_connections``    HTTP connections kept (default ``max(2 x max_in_flight, 16)``)
-``verify``                  ``false`` to skip TLS verification, or a CA bundle path
-``payload_signing``         default ``false``: every body already carries a CRC32C the server
-                            verifies, so botocore's SHA-256 of each body (which it adds over
-                            plain http) costs client CPU and protects nothing more; ``true``
-                            signs bodies on every endpoint
-``read_concurrency``        ranged GETs in flight for reads larger than ``part_size``
-                            (default ``max_in_flight``; ``1``: one streaming GetObject, for
-                            servers where a ranged GET costs a whole-object read, e.g. moto)
-``access_key_id``,          explicit credentials; meant for local test servers; prefer the
-``secret_access_key``,      environment, a profile or an instance role. Never echoed in
-``session_token``           messages or ``repr``.
-==========================  =====================================================================
+Options: :attr:`S3Store.OPTIONS` (``objckpt.store.options_for("s3")`` lists them with the common
+ones). The credentials (``access_key_id``, ``secret_access_key``, ``session_token``) are meant for
+local test servers (prefer the environment, a profile or an instance role) and are never shown
+in messages or ``repr``.
 """
 
 from __future__ import annotations
@@ -58,6 +35,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -67,8 +45,9 @@ from botocore.config import Config
 
 from ..errors import (
     AlreadyExistsError,
+    BucketNotFoundError,
+    ChecksumMismatchError,
     ConfigError,
-    InvalidKeyError,
     NotFoundError,
     NotSupportedError,
     PermissionDeniedError,
@@ -76,7 +55,8 @@ from ..errors import (
     StoreError,
     TransientError,
 )
-from ._util import ViewReader, as_bool
+from ._options import Option, boolean, choice, integer, seconds, text
+from ._util import ViewReader
 from .base import (
     DEFAULT_READ_CHUNK,
     Capabilities,
@@ -88,9 +68,10 @@ from .base import (
     Store,
     UploadHandle,
 )
+from .wrappers import PrefixStore
 
 if TYPE_CHECKING:
-    from . import ParsedURI
+    from ._uri import ParsedURI
 
 #: S3 rejects non-final parts below this size (EntityTooSmall) when the upload completes.
 S3_MIN_PART_SIZE = 5 * MiB
@@ -146,6 +127,36 @@ PERMISSION_CODES = frozenset(
 #: the server refused the bytes because a checksum did not match what it received
 CHECKSUM_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidChecksum"})
 CONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
+#: codes that mean the object is absent (during an update: the expected version is gone)
+_ABSENT_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+
+_RETRYABLE = "server error, retryable"
+_DENIED = "access denied by the server (check credentials and the bucket policy)"
+_CHECKSUM = "server rejected the data: checksum mismatch; the bytes sent do not match their CRC32C"
+_NO_SUCH_OBJECT = "no such object"
+_NOT_IMPLEMENTED = "the server does not implement this request"
+
+#: THE table: S3 error code -> (objckpt error class, what it means). ``{bucket}`` is filled in.
+S3_ERROR_CODES: dict[str, tuple[type[Exception], str]] = {
+    **dict.fromkeys(TRANSIENT_CODES, (TransientError, _RETRYABLE)),
+    **dict.fromkeys(PERMISSION_CODES, (PermissionDeniedError, _DENIED)),
+    **dict.fromkeys(CHECKSUM_CODES, (ChecksumMismatchError, _CHECKSUM)),
+    **dict.fromkeys(_ABSENT_CODES, (NotFoundError, _NO_SUCH_OBJECT)),
+    "NoSuchBucket": (BucketNotFoundError, "bucket {bucket!r} does not exist"),
+    "NoSuchUpload": (NotFoundError, "multipart upload no longer exists (aborted, completed or expired)"),
+    "NotImplemented": (NotSupportedError, _NOT_IMPLEMENTED),
+    "501": (NotSupportedError, _NOT_IMPLEMENTED),
+    "EntityTooSmall": (StoreError, "a multipart part is below S3's 5 MiB minimum (raise part_size)"),
+    "InvalidRange": (StoreError, "byte range outside the object"),
+}
+#: for codes the table does not know, the HTTP status decides
+S3_ERROR_STATUSES: dict[int, tuple[type[Exception], str]] = {
+    401: (PermissionDeniedError, _DENIED),
+    403: (PermissionDeniedError, _DENIED),
+    404: (NotFoundError, _NO_SUCH_OBJECT),
+    429: (TransientError, _RETRYABLE),
+    501: (NotSupportedError, _NOT_IMPLEMENTED),
+}
 
 _CONNECTION_ERRORS = (
     bexc.ConnectTimeoutError,
@@ -157,6 +168,11 @@ _CONNECTION_ERRORS = (
     bexc.ProxyConnectionError,
     bexc.HTTPClientError,  # base of the urllib3-level failures botocore wraps
     bexc.ConnectionError,
+    ConnectionError,  # raw socket errors that escape urllib3
+    TimeoutError,
+    # A response cut short (ProtocolError, IncompleteRead) escapes botocore as urllib3's own
+    # exception when the body is read outside botocore's parser: a retry heals it.
+    urllib3.exceptions.HTTPError,
 )
 _CREDENTIAL_ERRORS = (
     bexc.NoCredentialsError,
@@ -165,6 +181,23 @@ _CREDENTIAL_ERRORS = (
     bexc.NoAuthTokenError,
     bexc.TokenRetrievalError,
     bexc.UnknownCredentialError,
+)
+#: the table for exceptions that are not server answers, checked in order (first match wins)
+S3_CLIENT_ERRORS: tuple[tuple[tuple[type[BaseException], ...], type[Exception], str], ...] = (
+    (_CREDENTIAL_ERRORS, PermissionDeniedError, "no usable AWS credentials"),
+    ((bexc.SSLError,), StoreError, "TLS error talking to the endpoint"),  # certificates do not heal
+    (_CONNECTION_ERRORS, TransientError, "connection problem"),
+    ((bexc.ParamValidationError, bexc.NoRegionError), ConfigError, "invalid S3 request"),
+    ((bexc.BotoCoreError,), StoreError, "S3 client error"),
+)
+#: everything the SDK raises: what the one translation point catches (other errors are bugs
+#: and propagate unchanged)
+_SDK_ERRORS: tuple[type[BaseException], ...] = (
+    bexc.BotoCoreError,
+    bexc.ClientError,
+    urllib3.exceptions.HTTPError,
+    ConnectionError,
+    TimeoutError,
 )
 
 
@@ -179,6 +212,14 @@ def _client_error_parts(exc: bexc.ClientError) -> tuple[str, int, str]:
     return code, status, message
 
 
+def _make(cls: type[Exception], message: str, where: dict[str, str]) -> Exception:
+    if issubclass(cls, StoreError):
+        return cls(message, **where)
+    if issubclass(cls, ChecksumMismatchError):  # an IntegrityError: no operation field
+        return cls(message, key=where["key"], location=where["location"])
+    return cls(f"{message} [{where['location'].rstrip('/')}/{where['key']}]")  # ConfigError
+
+
 def map_s3_error(
     exc: BaseException,
     *,
@@ -190,29 +231,22 @@ def map_s3_error(
 ) -> BaseException:
     """Translate one SDK exception into the objckpt error a caller can act on.
 
-    ============================================================  ==============================
-    SlowDown / 503, 500, InternalError, RequestTimeout, 429,      :class:`TransientError`
-    throttling codes; connect/read timeouts, refused or reset
-    connections, a body cut short
-    412 PreconditionFailed, 409 ConditionalRequestConflict        :class:`AlreadyExistsError`
-                                                                  (CREATE) or
-                                                                  :class:`PreconditionFailedError`
-                                                                  (update)
-    NoSuchKey / 404 during an update (If-Match on a missing key)  :class:`PreconditionFailedError`
-    NoSuchBucket                                                  :class:`NotFoundError` naming
-                                                                  the bucket
-    NoSuchKey / 404, NoSuchUpload                                 :class:`NotFoundError`
-    403, AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch, :class:`PermissionDeniedError`
-    ExpiredToken; no credentials found
-    501 NotImplemented                                            :class:`NotSupportedError`
-    BadDigest, InvalidDigest, other 4xx                           :class:`StoreError` (permanent;
-                                                                  checksum rejections say so)
-    ============================================================  ==============================
+    A server answer is looked up by its error code in :data:`S3_ERROR_CODES`, then by its HTTP
+    status in :data:`S3_ERROR_STATUSES` (any other 5xx: :class:`TransientError`; any other
+    status: :class:`StoreError`, permanent). Before the tables, two rules that depend on the
+    write: a 412 / 409 ConditionalRequestConflict is :class:`AlreadyExistsError` (CREATE) or
+    :class:`PreconditionFailedError` (update), and a missing key during an update (S3 answers
+    ``If-Match`` on an absent key with 404) is :class:`PreconditionFailedError`. A 400 whose
+    message speaks of a checksum (e.g. ``InvalidRequest`` for a CRC32C) is
+    :class:`ChecksumMismatchError`, like ``BadDigest``. Exceptions that are not answers go
+    through :data:`S3_CLIENT_ERRORS` (credentials, TLS, connections).
 
-    Returns the new exception (the caller raises it ``from exc`` so ``__cause__`` is kept).
+    Returns the new exception (the caller raises it ``from exc`` so ``__cause__`` is kept), or
+    ``exc`` itself when it is not an SDK error. Messages carry the code, the status and the
+    server's message, never credentials.
     """
     where = {"key": key, "location": location, "operation": operation}
-    if isinstance(exc, StoreError):
+    if isinstance(exc, (StoreError, ChecksumMismatchError, ConfigError)):
         return exc
     if isinstance(exc, bexc.ClientError):
         code, status, message = _client_error_parts(exc)
@@ -223,61 +257,22 @@ def map_s3_error(
             if mode is not None and mode.kind == "create":
                 return AlreadyExistsError(f"object already exists; {detail}", **where)
             return StoreError(f"precondition failed; {detail}", **where)
-        if code == "NoSuchBucket":
-            return NotFoundError(f"bucket {bucket!r} does not exist; {detail}", **where)
-        if code in ("NoSuchKey", "404", "NotFound") or (status == 404 and code != "NoSuchUpload"):
-            if mode is not None and mode.kind == "update":
-                # S3 answers If-Match on an absent key with 404: the version we expected is gone.
-                return PreconditionFailedError(
-                    f"object is absent, expected version {mode.version}; {detail}", **where
-                )
-            return NotFoundError(f"no such object; {detail}", **where)
-        if code == "NoSuchUpload":
-            return NotFoundError(
-                f"multipart upload no longer exists (aborted, completed or expired); {detail}",
-                **where,
+        row = S3_ERROR_CODES.get(code) or S3_ERROR_STATUSES.get(status)
+        if row is None and status == 400 and ("checksum" in message.lower() or "crc32c" in message.lower()):
+            row = (ChecksumMismatchError, _CHECKSUM)
+        if row is None and status >= 500:
+            row = (TransientError, _RETRYABLE)
+        cls, meaning = row or (StoreError, "request rejected")
+        if cls is NotFoundError and mode is not None and mode.kind == "update" and code != "NoSuchUpload":
+            return PreconditionFailedError(
+                f"object is absent, expected version {mode.version}; {detail}", **where
             )
-        if code in PERMISSION_CODES or status in (401, 403):
-            return PermissionDeniedError(
-                f"access denied by the server (check credentials and the bucket policy); {detail}",
-                **where,
-            )
-        if code in CHECKSUM_CODES or (status == 400 and "checksum" in message.lower()):
-            return StoreError(
-                f"server rejected the data: checksum mismatch ({detail}); the bytes sent do not "
-                "match their CRC32C",
-                **where,
-            )
-        if code in TRANSIENT_CODES or status >= 500 or status == 429:
-            if code == "NotImplemented" or status == 501:
-                return NotSupportedError(f"the server does not implement this request; {detail}", **where)
-            return TransientError(f"server error, retryable; {detail}", **where)
-        if code == "NotImplemented":
-            return NotSupportedError(f"the server does not implement this request; {detail}", **where)
-        if code == "EntityTooSmall":
-            return StoreError(
-                f"a multipart part is below S3's 5 MiB minimum (raise part_size); {detail}", **where
-            )
-        if code == "InvalidRange":
-            return StoreError(f"byte range outside the object; {detail}", **where)
-        return StoreError(f"request rejected; {detail}", **where)
-    if isinstance(exc, _CREDENTIAL_ERRORS):
-        return PermissionDeniedError(f"no usable AWS credentials: {type(exc).__name__}", **where)
-    if isinstance(exc, bexc.SSLError):
-        # certificate problems do not heal on retry
-        return StoreError(f"TLS error talking to the endpoint: {exc}", **where)
-    if isinstance(exc, _CONNECTION_ERRORS):
-        return TransientError(f"connection problem: {type(exc).__name__}: {exc}", **where)
-    if isinstance(exc, (ConnectionError, TimeoutError)):  # raw socket errors that escape urllib3
-        return TransientError(f"connection problem: {type(exc).__name__}: {exc}", **where)
-    if isinstance(exc, urllib3.exceptions.HTTPError):
-        # A response cut short (ProtocolError, IncompleteRead) escapes botocore as urllib3's own
-        # exception when the body is read outside botocore's parser: a retry heals it.
-        return TransientError(f"response cut short: {type(exc).__name__}: {exc}", **where)
-    if isinstance(exc, (bexc.ParamValidationError, bexc.NoRegionError)):
-        return ConfigError(f"invalid S3 request for {location}/{key}: {exc}")
-    if isinstance(exc, bexc.BotoCoreError):
-        return StoreError(f"S3 client error: {type(exc).__name__}: {exc}", **where)
+        return _make(cls, f"{meaning.format(bucket=bucket)}; {detail}", where)
+    for types, cls, meaning in S3_CLIENT_ERRORS:
+        if isinstance(exc, types):
+            # credential errors: only the type (their text can name the profile's key source)
+            shown = type(exc).__name__ if cls is PermissionDeniedError else f"{type(exc).__name__}: {exc}"
+            return _make(cls, f"{meaning}: {shown}", where)
     return exc
 
 
@@ -299,7 +294,7 @@ def _quoted(etag: str | None) -> str:
     """ETags are compared as the server sends them: one canonical quoted form."""
     if not etag:
         return ""
-    return etag if etag.startswith('"') or etag.startswith("W/") else f'"{etag}"'
+    return etag if etag.startswith(('"', "W/")) else f'"{etag}"'
 
 
 def _full_crc(value: str | None, checksum_type: str | None, etag: str | None = None) -> str | None:
@@ -327,8 +322,21 @@ def multipart_etag(part_etags: list[str]) -> str:
 # ---------------------------------------------------------------------------- the store
 
 
+def _verify_option(value: Any) -> bool | str:
+    """TLS verification: true/false, or the path of a CA bundle."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str) or not value:
+        raise ValueError("must be true, false or the path of a CA bundle")
+    try:
+        return boolean(value)
+    except ValueError:
+        return value  # a CA bundle path
+
+
 class S3Store(Store):
-    """Objects under ``s3://bucket/prefix/``. Thread-safe (one botocore client, shared).
+    """Objects in ``s3://bucket`` (keys are full S3 keys; ``open_store`` wraps the store in a
+    :class:`PrefixStore` for a run root below the bucket). Thread-safe (one botocore client).
 
     Atomicity: a ``put`` is one PutObject; a ``put_stream`` becomes visible only when
     CompleteMultipartUpload succeeds, whole. Conditional modes are enforced by the server
@@ -336,43 +344,71 @@ class S3Store(Store):
     :class:`NotSupportedError` instead of degrading.
 
     Raises (from every method): :class:`TransientError` (retried by the store's policy),
-    :class:`PermissionDeniedError`, :class:`NotFoundError` (key, upload or bucket missing),
-    :class:`AlreadyExistsError` / :class:`PreconditionFailedError` (conditional write lost),
-    :class:`StoreError` (any other rejection, e.g. a checksum the server refused),
-    :class:`InvalidKeyError` (a key with an empty, ``.`` or ``..`` segment; no request made).
+    :class:`PermissionDeniedError`, :class:`NotFoundError` (key or upload missing),
+    :class:`BucketNotFoundError` (the bucket is missing), :class:`AlreadyExistsError` /
+    :class:`PreconditionFailedError` (conditional write lost), :class:`ChecksumMismatchError`
+    (the server refused a body's CRC32C), :class:`StoreError` (any other rejection),
+    :class:`InvalidKeyError` (the key rule; no request made).
     """
 
     scheme = "s3"
     OPTIONS = (
-        "endpoint_url",
-        "region",
-        "profile",
-        "path_style",
-        "conditional_writes",
-        "verified_checksums",
-        "checksum_type",
-        "connect_timeout",
-        "read_timeout",
-        "max_pool_connections",
-        "verify",
-        "payload_signing",
-        "read_concurrency",
-        "access_key_id",
-        "secret_access_key",
-        "session_token",
+        Option("endpoint_url", text, None, "S3-compatible endpoint, e.g. http://127.0.0.1:4566"),
+        Option("region", text, None, "signing region (default: the profile's, else us-east-1)"),
+        Option("profile", text, None, "a named profile from the AWS config files"),
+        Option(
+            "path_style",
+            boolean,
+            None,
+            "true: http://host/bucket/key addressing (default with an endpoint_url); false: virtual-hosted",
+        ),
+        Option(
+            "conditional_writes",
+            choice(*CONDITIONAL_WRITE_MODES),
+            "atomic",
+            "atomic (AWS); unsafe: the server honours If-None-Match/If-Match but not atomically under "
+            "races (moto); none: it ignores them, so CREATE/update writes raise NotSupportedError",
+        ),
+        Option(
+            "checksum_type",
+            choice(*CHECKSUM_TYPES),
+            "full_object",
+            "multipart checksum: full_object, or composite for servers without FULL_OBJECT (head then "
+            "reports no CRC32C for multipart objects)",
+        ),
+        Option("connect_timeout", seconds, 10.0, "seconds to connect"),
+        Option("read_timeout", seconds, 60.0, "seconds without a byte from the server"),
+        Option(
+            "max_pool_connections", integer(1), None, "HTTP connections kept (default max(2 x in flight, 16))"
+        ),
+        Option("verify", _verify_option, None, "false to skip TLS verification, or a CA bundle path"),
+        Option(
+            "payload_signing",
+            boolean,
+            False,
+            "true: SHA-256-sign every body (bodies already carry a CRC32C the server verifies)",
+        ),
+        Option(
+            "read_concurrency",
+            integer(1),
+            None,
+            "ranged GETs in flight for reads larger than part_size (default max_in_flight; 1: one "
+            "streaming GetObject, for servers where a ranged GET costs a whole-object read, e.g. moto)",
+        ),
+        Option("access_key_id", text, None, "explicit credentials (local test servers)", secret=True),
+        Option("secret_access_key", text, None, "explicit credentials (local test servers)", secret=True),
+        Option("session_token", text, None, "explicit credentials (local test servers)", secret=True),
     )
 
     def __init__(
         self,
         bucket: str,
-        prefix: str = "",
         *,
         endpoint_url: str | None = None,
         region: str | None = None,
         profile: str | None = None,
         path_style: bool | None = None,
         conditional_writes: str = "atomic",
-        verified_checksums: bool = True,
         checksum_type: str = "full_object",
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
@@ -387,7 +423,7 @@ class S3Store(Store):
         client: Any = None,
         **store_kwargs: Any,
     ) -> None:
-        """Open ``s3://bucket/prefix``. No request is made here.
+        """Open ``s3://bucket``. No request is made here.
 
         ``client`` injects a ready botocore S3 client (tests with ``botocore.stub.Stubber``);
         it must have retries disabled like the one built here.
@@ -401,22 +437,19 @@ class S3Store(Store):
             )
         if checksum_type not in CHECKSUM_TYPES:
             raise ConfigError(f"checksum_type must be one of {CHECKSUM_TYPES}, got {checksum_type!r}")
+        # Declared from what the server was said to enforce (there is no way to probe it safely).
         store_kwargs.setdefault(
             "capabilities",
             Capabilities(
                 create_if_absent=conditional_writes != "none",
                 compare_and_swap=conditional_writes != "none",
                 atomic_conditionals=conditional_writes == "atomic",
-                server_verified_checksums=verified_checksums,
             ),
         )
         self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        location = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        super().__init__(location=location, **store_kwargs)
+        super().__init__(location=f"s3://{bucket}", **store_kwargs)
         # part_size below S3_MIN_PART_SIZE is allowed: test servers may accept small parts. A real
         # S3 rejects such an upload at completion (EntityTooSmall), and the error says so.
-        self._root = self.prefix + "/" if self.prefix else ""
         self.conditional_writes = conditional_writes
         self.checksum_type = checksum_type
         self.endpoint_url = endpoint_url
@@ -441,7 +474,7 @@ class S3Store(Store):
                 aws_session_token=session_token,
             )
         except bexc.ProfileNotFound as exc:
-            raise ConfigError(f"AWS profile {profile!r} not found (for {location})") from exc
+            raise ConfigError(f"AWS profile {profile!r} not found (for {self.location})") from exc
         region = region or session.region_name or "us-east-1"
         if path_style is None:
             path_style = endpoint_url is not None  # custom servers rarely have wildcard DNS
@@ -472,91 +505,37 @@ class S3Store(Store):
         try:
             self._client = session.client("s3", endpoint_url=endpoint_url, config=config, verify=verify)
         except (bexc.BotoCoreError, ValueError) as exc:
-            raise ConfigError(f"cannot create an S3 client for {location}: {exc}") from exc
+            raise ConfigError(f"cannot create an S3 client for {self.location}: {exc}") from exc
 
     @classmethod
-    def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> S3Store:
-        """Build from ``s3://bucket/prefix?option=value`` (options already validated by name)."""
-        from . import common_store_kwargs
-
-        opts = dict(options)
-        kwargs: dict[str, Any] = common_store_kwargs(opts)
-        for name in ("path_style", "verified_checksums", "payload_signing"):
-            if name in opts:
-                kwargs[name] = as_bool(name, opts.pop(name))
-        for name in ("connect_timeout", "read_timeout"):
-            if name in opts:
-                try:
-                    kwargs[name] = float(opts.pop(name))
-                except (TypeError, ValueError) as exc:
-                    raise ConfigError(f"option {name} must be a number of seconds") from exc
-        for name in ("max_pool_connections", "read_concurrency"):
-            if name in opts:
-                try:
-                    kwargs[name] = int(opts.pop(name))
-                except (TypeError, ValueError) as exc:
-                    raise ConfigError(f"option {name} must be an integer") from exc
-        if "verify" in opts:
-            value = opts.pop("verify")
-            if isinstance(value, str) and value.strip().lower() in ("0", "1", "true", "false", "yes", "no"):
-                value = as_bool("verify", value)
-            kwargs["verify"] = value
-        for name in ("conditional_writes", "checksum_type"):
-            if name in opts:
-                kwargs[name] = str(opts.pop(name)).strip().lower()
-        for name in (
-            "endpoint_url",
-            "region",
-            "profile",
-            "access_key_id",
-            "secret_access_key",
-            "session_token",
-        ):
-            if name in opts:
-                kwargs[name] = opts.pop(name) or None
-        if opts:  # open_store already rejects unknown names; direct callers get the same check
-            raise ConfigError(f"unknown option(s) {sorted(opts)} for s3:// URIs")
-        return cls(parsed.bucket, parsed.prefix, **kwargs)
+    def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> Store:
+        """``s3://bucket/prefix?...``: the bucket's store, inside a :class:`PrefixStore` for the
+        prefix (``options`` converted by ``open_store`` against :attr:`OPTIONS`)."""
+        store = cls(parsed.bucket, **options)
+        return PrefixStore(store, parsed.prefix) if parsed.prefix else store
 
     # ------------------------------------------------------------------ plumbing
 
-    def _full(self, key: str) -> str:
-        return self._root + key
-
-    def _key(self, key: str) -> str:
-        """The full S3 key of an object key; refuses keys that could name something outside
-        the root on a server that normalises paths (``..``), or that no filesystem store could
-        hold (empty segments), so a checkpoint stays portable between backends."""
-        segments = key.split("/")
-        if not key or any(seg in ("", ".", "..") for seg in segments):
-            raise InvalidKeyError(
-                "object keys are relative, with no empty, '.' or '..' segments",
-                key=key,
-                location=self.location,
+    @contextmanager
+    def _mapped(self, operation: str, key: str, mode: PutMode | None = None) -> Iterator[None]:
+        """THE translation point: an SDK exception raised inside becomes its objckpt error
+        (:func:`map_s3_error`), ``__cause__`` kept. Exactly once: no retry here."""
+        try:
+            yield
+        except _SDK_ERRORS as exc:
+            mapped = map_s3_error(
+                exc, operation=operation, key=key, location=self.location, bucket=self.bucket, mode=mode
             )
-        return self._root + key
-
-    def _rel(self, full_key: str) -> str:
-        return full_key[len(self._root) :] if full_key.startswith(self._root) else full_key
-
-    def _error(
-        self, exc: BaseException, operation: str, key: str, mode: PutMode | None = None
-    ) -> BaseException:
-        return map_s3_error(
-            exc, operation=operation, key=key, location=self.location, bucket=self.bucket, mode=mode
-        )
+            if mapped is exc:
+                raise
+            raise mapped from exc
 
     def _request(
         self, operation: str, key: str, fn: Callable[..., Any], *, mode: PutMode | None = None, **kwargs: Any
     ) -> Any:
-        """One SDK call, its exceptions translated (exactly once: no retry here)."""
-        try:
+        """One SDK call on the bucket, its exceptions translated."""
+        with self._mapped(operation, key, mode):
             return fn(Bucket=self.bucket, **kwargs)
-        except Exception as exc:
-            mapped = self._error(exc, operation, key, mode)
-            if mapped is exc:
-                raise
-            raise mapped from exc
 
     @staticmethod
     def _conditions(mode: PutMode) -> dict[str, str]:
@@ -575,7 +554,7 @@ class S3Store(Store):
             key,
             self._client.put_object,
             mode=mode,
-            Key=self._key(key),
+            Key=key,
             Body=_body(data),
             ContentLength=data.nbytes,
             ChecksumAlgorithm="CRC32C",
@@ -588,9 +567,7 @@ class S3Store(Store):
         extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32C"}
         if self.checksum_type == "full_object":
             extra["ChecksumType"] = "FULL_OBJECT"
-        resp = self._request(
-            "create_upload", key, self._client.create_multipart_upload, Key=self._key(key), **extra
-        )
+        resp = self._request("create_upload", key, self._client.create_multipart_upload, Key=key, **extra)
         return UploadHandle(key=key, mode=mode, upload_id=resp["UploadId"])
 
     def _upload_part(
@@ -607,7 +584,7 @@ class S3Store(Store):
             "upload_part",
             handle.key,
             self._client.upload_part,
-            Key=self._key(handle.key),
+            Key=handle.key,
             UploadId=handle.upload_id,
             PartNumber=part_number,
             Body=_body(data),
@@ -641,7 +618,7 @@ class S3Store(Store):
                 handle.key,
                 self._client.complete_multipart_upload,
                 mode=handle.mode,
-                Key=self._key(handle.key),
+                Key=handle.key,
                 UploadId=handle.upload_id,
                 MultipartUpload=body,
                 **extra,
@@ -664,33 +641,28 @@ class S3Store(Store):
         return None
 
     def _abort_upload(self, handle: UploadHandle) -> None:
-        self._abort(handle.key, handle.upload_id)
-
-    def _abort(self, key: str, upload_id: str) -> None:
+        """AbortMultipartUpload; needs only the key and the upload id (GC rebuilds handles)."""
         try:
             self._request(
                 "abort_upload",
-                key,
+                handle.key,
                 self._client.abort_multipart_upload,
-                Key=self._full(key),
-                UploadId=upload_id,
+                Key=handle.key,
+                UploadId=handle.upload_id,
             )
+        except BucketNotFoundError:
+            raise
         except NotFoundError:
             pass  # already aborted or completed: abort is idempotent
-
-    def _abort_pending(self, upload: PendingUpload) -> None:
-        self._abort(upload.key, upload.upload_id)
 
     def _list_uploads(self, prefix: str) -> list[PendingUpload]:
         """ListMultipartUploads, every page, with each upload's initiation time."""
         found: list[PendingUpload] = []
-        kwargs: dict[str, Any] = {"Prefix": self._full(prefix)}
+        kwargs: dict[str, Any] = {"Prefix": prefix}
         while True:
             resp = self._request("list_uploads", prefix, self._client.list_multipart_uploads, **kwargs)
             for upload in resp.get("Uploads", []) or []:
-                found.append(
-                    PendingUpload(self._rel(upload["Key"]), upload["UploadId"], upload.get("Initiated"))
-                )
+                found.append(PendingUpload(upload["Key"], upload["UploadId"], upload.get("Initiated")))
             if not resp.get("IsTruncated"):
                 return found
             key_marker = resp.get("NextKeyMarker")
@@ -706,13 +678,14 @@ class S3Store(Store):
             "delete",
             keys[0] if len(keys) == 1 else "",
             self._client.delete_objects,
-            Delete={"Objects": [{"Key": self._key(k)} for k in keys], "Quiet": True},
+            Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True},
         )
         errors = [e for e in resp.get("Errors", []) or [] if e.get("Code") != "NoSuchKey"]
         if not errors:
             return
         first = errors[0]
         code = first.get("Code", "Unknown")
+        # A per-key error is an answer like any other: the same table maps it.
         fake = bexc.ClientError(
             {
                 "Error": {"Code": code, "Message": first.get("Message", "")},
@@ -720,7 +693,9 @@ class S3Store(Store):
             },
             "DeleteObjects",
         )
-        mapped = self._error(fake, "delete", self._rel(first.get("Key", "")))
+        mapped = map_s3_error(
+            fake, operation="delete", key=first.get("Key", ""), location=self.location, bucket=self.bucket
+        )
         if isinstance(mapped, StoreError) and len(errors) > 1:
             # same class (transient stays retryable), message counts every key that failed
             mapped = type(mapped)(
@@ -733,61 +708,51 @@ class S3Store(Store):
 
     # ------------------------------------------------------------------ reads
 
-    def _get(self, key: str, start: int, end: int | None) -> bytes:
-        """Bytes ``[start, end)``: one GetObject, or parallel ranged GETs for large reads."""
+    def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` (``end=None``: to the end), streamed.
+
+        Reads larger than ``part_size`` fan out into parallel ranged GETs
+        (:meth:`_read_parallel`) unless ``read_concurrency`` is 1; otherwise one GetObject (with
+        a Range header unless the whole object is read), yielded in ``read_chunk`` pieces. The
+        first request is made at the first ``next()``. A read that fails mid-body raises
+        :class:`TransientError`; ``get`` retries, ``get_stream`` resumes from its offset.
+        """
         if self.read_concurrency > 1 and (end is None or end - start > self.part_size):
-            return b"".join(self._read_parallel(key, start, end))
-        kwargs: dict[str, Any] = {"Key": self._key(key)}
+            yield from self._read_parallel(key, start, end)
+            return
+        kwargs: dict[str, Any] = {"Key": key}
         if start or end is not None:
             kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         try:
             resp = self._request("get", key, self._client.get_object, **kwargs)
         except StoreError as exc:
             if _is_invalid_range(exc):
-                return b""  # like a slice past the end: nothing there
+                return  # starts at or past the end: nothing there, like a slice
             raise
-        return self._read_body(resp["Body"], key)
+        # A bounded range (only get() asks for one: it returns the bytes whole anyway) or a body
+        # no larger than part_size (the memory unit the store budgets per range) comes as one
+        # chunk, so get() returns it without joining pieces: a copy that costs as much as the
+        # read itself on a fast server.
+        whole = end is not None or int(resp.get("ContentLength") or 0) <= self.part_size
+        yield from self._iter_body(resp["Body"], key, whole=whole)
 
-    def _open(self, key: str, start: int) -> Iterator[bytes]:
-        """Stream the object from ``start``.
-
-        With ``read_concurrency`` 1: one GetObject (Range header when resuming), yielded in
-        ``read_chunk`` pieces. Otherwise :meth:`_read_parallel`. The first request is made at
-        the first ``next()``. A read that fails mid-body raises :class:`TransientError`; the
-        base's ``get_stream`` resumes from its offset.
-        """
-        if self.read_concurrency > 1:
-            yield from self._read_parallel(key, start, None)
-            return
-        kwargs: dict[str, Any] = {"Key": self._key(key)}
-        if start:
-            kwargs["Range"] = f"bytes={start}-"
-        try:
-            resp = self._request("get", key, self._client.get_object, **kwargs)
-        except StoreError as exc:
-            if start and _is_invalid_range(exc):
-                return  # resumed exactly at the end
-            raise
-        yield from self._iter_body(resp["Body"], key)
-
-    def _iter_body(self, body: Any, key: str) -> Iterator[bytes]:
+    def _iter_body(self, body: Any, key: str, *, whole: bool = False) -> Iterator[bytes]:
         try:
             while True:
-                try:
-                    chunk = body.read(self.read_chunk)
-                except Exception as exc:
-                    raise self._error(exc, "get", key) from exc
+                with self._mapped("get", key):
+                    chunk = body.read() if whole else body.read(self.read_chunk)
                 if not chunk:
                     return
                 yield chunk
+                if whole:
+                    return
         finally:
             body.close()
 
     def _read_body(self, body: Any, key: str) -> bytes:
         try:
-            return body.read()
-        except Exception as exc:
-            raise self._error(exc, "get", key) from exc
+            with self._mapped("get", key):
+                return body.read()
         finally:
             body.close()
 
@@ -804,11 +769,7 @@ class S3Store(Store):
         first_stop = start + size if end is None else min(end, start + size)
         try:
             resp = self._request(
-                "get",
-                key,
-                self._client.get_object,
-                Key=self._key(key),
-                Range=f"bytes={start}-{first_stop - 1}",
+                "get", key, self._client.get_object, Key=key, Range=f"bytes={start}-{first_stop - 1}"
             )
         except StoreError as exc:
             if _is_invalid_range(exc):
@@ -845,7 +806,7 @@ class S3Store(Store):
             return self._read_pool
 
     def _get_range(self, key: str, start: int, end: int, etag: str | None) -> bytes:
-        kwargs: dict[str, Any] = {"Key": self._key(key), "Range": f"bytes={start}-{end - 1}"}
+        kwargs: dict[str, Any] = {"Key": key, "Range": f"bytes={start}-{end - 1}"}
         if etag:
             kwargs["IfMatch"] = etag
         try:
@@ -870,9 +831,9 @@ class S3Store(Store):
     def _head(self, key: str) -> ObjectMeta:
         """HeadObject with checksum mode on; ``crc32c`` is the full-object value or ``None``."""
         try:
-            resp = self._request(
-                "head", key, self._client.head_object, Key=self._key(key), ChecksumMode="ENABLED"
-            )
+            resp = self._request("head", key, self._client.head_object, Key=key, ChecksumMode="ENABLED")
+        except BucketNotFoundError:
+            raise
         except NotFoundError as exc:
             # HEAD responses have no body, so a missing bucket looks like a missing key.
             self._check_bucket(key, exc)
@@ -895,13 +856,14 @@ class S3Store(Store):
         )
 
     def _check_bucket(self, key: str, original: NotFoundError) -> None:
-        """Once per store: turn a HEAD 404 into 'bucket missing' when that is the cause."""
+        """Once per store: turn a HEAD 404 into :class:`BucketNotFoundError` when that is the
+        cause (a missing bucket is a configuration problem, never a missing checkpoint)."""
         if self._bucket_checked:
             return
         try:
             self._request("head", key, self._client.head_bucket)
         except NotFoundError as exc:
-            raise NotFoundError(
+            raise BucketNotFoundError(
                 f"bucket {self.bucket!r} does not exist",
                 key=key,
                 location=self.location,
@@ -914,13 +876,13 @@ class S3Store(Store):
 
     def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:
         """ListObjectsV2 with StartAfter/MaxKeys. ``crc32c`` is ``None``: LIST has no values."""
-        kwargs: dict[str, Any] = {"Prefix": self._full(prefix), "MaxKeys": limit}
+        kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": limit}
         if start_after is not None:
-            kwargs["StartAfter"] = self._full(start_after)
+            kwargs["StartAfter"] = start_after
         resp = self._request("list", prefix, self._client.list_objects_v2, **kwargs)
         page = [
             ObjectMeta(
-                key=self._rel(obj["Key"]),
+                key=obj["Key"],
                 size=int(obj.get("Size", 0)),
                 version=_quoted(obj.get("ETag")),
                 crc32c=None,
@@ -933,10 +895,10 @@ class S3Store(Store):
     def _list_prefixes(self, prefix: str) -> list[str]:
         """ListObjectsV2 with Delimiter='/', every page."""
         found: list[str] = []
-        kwargs: dict[str, Any] = {"Prefix": self._full(prefix), "Delimiter": "/"}
+        kwargs: dict[str, Any] = {"Prefix": prefix, "Delimiter": "/"}
         while True:
             resp = self._request("list", prefix, self._client.list_objects_v2, **kwargs)
-            found.extend(self._rel(p["Prefix"]) for p in resp.get("CommonPrefixes", []) or [])
+            found.extend(p["Prefix"] for p in resp.get("CommonPrefixes", []) or [])
             token = resp.get("NextContinuationToken")
             if not resp.get("IsTruncated") or not token:
                 return found

@@ -1,17 +1,26 @@
-"""Store wrappers for tests and diagnostics: count requests, inject faults.
+"""Store wrappers: a run-root prefix, request counting, fault injection.
 
-Both wrap another :class:`Store` and override its *primitives*, delegating to the inner store's
-primitives. The wrapper's public methods are the base class's, so its retry policy, multipart
-bounding and stream verification apply to an injected fault exactly as to a real server's error.
-``location``, ``part_size``, ``max_in_flight``, ``retry`` and ``capabilities`` are copied from the
-inner store unless given (keyword arguments). Closing a wrapper closes the inner store unless it
-was made with ``close_inner=False``. Public attributes the wrapper lacks (e.g.
-``MemoryStore.corrupt``) are looked up on the inner store.
+Each wraps another :class:`Store` and overrides its *primitives*, delegating to the inner store's
+primitives. The wrapper's public methods are the base class's, so key validation, the retry
+policy, multipart bounding and stream verification apply once, at the outermost store, and an
+injected fault is retried exactly like a real server's error. ``location``, ``part_size``,
+``max_in_flight``, ``retry`` and ``capabilities`` are the inner store's unless given (keyword
+arguments): a wrapper guarantees what its inner store guarantees. Closing a wrapper closes the
+inner store unless it was made with ``close_inner=False``. Public attributes the wrapper lacks
+(e.g. ``MemoryStore.corrupt``) are looked up on the inner store.
+
+* :class:`PrefixStore` roots keys at ``prefix/`` of the inner store (the run root on a bucket).
+* :class:`CountingStore` counts primitive calls (request-count tests).
+* :class:`FaultInjectingStore` makes matching primitive calls fail (:class:`Fault`).
 
 Op names are the primitive names without the leading underscore::
 
-    put get open head list_page list_prefixes delete_batch
-    create_upload upload_part complete_upload abort_upload list_uploads abort_pending
+    put open head list_page list_prefixes delete_batch
+    create_upload upload_part complete_upload abort_upload list_uploads
+
+(``get``, ``get_stream`` and ``get_verified`` all read through ``open``; GC's ``abort_upload``
+of a pending upload goes through ``abort_upload``.) A :class:`Fault` naming any other op is a
+``ValueError``, so a rule cannot silently match nothing.
 
 Stacking order matters: ``FaultInjectingStore(CountingStore(s))`` counts only requests that
 reached ``s``; ``CountingStore(FaultInjectingStore(s))`` counts every try, failed ones included.
@@ -20,15 +29,17 @@ reached ``s``; ``CountingStore(FaultInjectingStore(s))`` counts every try, faile
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fnmatch
 import random
 import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from .._retry import RetryPolicy
-from ..errors import StoreError, TransientError
+from ..errors import ChecksumMismatchError, ConfigError, StoreError, TransientError
 from .base import (
     Capabilities,
     ObjectMeta,
@@ -37,23 +48,11 @@ from .base import (
     PutMode,
     Store,
     UploadHandle,
+    key_problem,
 )
 
-OPS = (
-    "put",
-    "get",
-    "open",
-    "head",
-    "list_page",
-    "list_prefixes",
-    "delete_batch",
-    "create_upload",
-    "upload_part",
-    "complete_upload",
-    "abort_upload",
-    "list_uploads",
-    "abort_pending",
-)
+#: the primitive (op) names, from the contract itself: a new primitive needs no list here
+_OPS = frozenset(name[1:] for name in Store.__abstractmethods__)
 
 
 class _Wrapper(Store):
@@ -87,6 +86,11 @@ class _Wrapper(Store):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    def _key_rule(self, key: str) -> str | None:
+        # The inner backend's stricter rules hold through the wrapper (e.g. file://'s reserved
+        # names), applied to the key the inner store will see.
+        return self.inner._key_rule(key)
+
     def _invoke(self, op: str, key: str, keys: list[str] | None, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
@@ -95,12 +99,9 @@ class _Wrapper(Store):
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
         return self._invoke("put", key, None, self.inner._put, key, data, mode, crc32c)
 
-    def _get(self, key: str, start: int, end: int | None) -> bytes:
-        return self._invoke("get", key, None, self.inner._get, key, start, end)
-
-    def _open(self, key: str, start: int) -> Iterator[bytes]:
+    def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
         # Not a generator: the call is counted (and may fail) when the stream is opened.
-        return self._invoke("open", key, None, self.inner._open, key, start)
+        return self._invoke("open", key, None, self.inner._open, key, start, end)
 
     def _head(self, key: str) -> ObjectMeta:
         return self._invoke("head", key, None, self.inner._head, key)
@@ -146,14 +147,140 @@ class _Wrapper(Store):
     def _list_uploads(self, prefix: str) -> list[PendingUpload]:
         return self._invoke("list_uploads", prefix, None, self.inner._list_uploads, prefix)
 
-    def _abort_pending(self, upload: PendingUpload) -> None:
-        return self._invoke("abort_pending", upload.key, None, self.inner._abort_pending, upload)
-
     def _close(self) -> None:
         # The wrapper owns its inner store unless told otherwise (close_inner=False: a wrapper
         # put around a store that someone else closes, e.g. a test fixture's).
         if self._close_inner:
             self.inner.close()
+
+
+class PrefixStore(_Wrapper):
+    """Keys of ``inner`` under ``prefix/``, as a store of their own (object_store's PrefixStore).
+
+    ``open_store("s3://bucket/run")`` is ``PrefixStore(S3Store("bucket"), "run")``: the bucket
+    backends address the bucket and this is the one place a run root's prefix is added to keys
+    and taken off listings, metas, pending uploads and errors. Its location is the inner one
+    plus ``/prefix`` (``s3://bucket/run``); its errors name the key relative to it. Atomicity
+    and errors are the inner store's, unchanged.
+
+    Raises:
+        ConfigError: a ``prefix`` that breaks the key rule (empty, ``.`` or ``..`` segments...).
+    """
+
+    def __init__(self, inner: Store, prefix: str, **options: Any) -> None:
+        prefix = prefix.strip("/")
+        problem = key_problem(prefix) if prefix else None
+        if problem:
+            raise ConfigError(f"invalid store prefix {prefix!r} under {inner.location}: {problem}")
+        base = inner.location if inner.location.endswith("://") else inner.location.rstrip("/") + "/"
+        options.setdefault("location", base + prefix if prefix else inner.location)
+        super().__init__(inner, **options)
+        self.prefix = prefix
+        self._root = prefix + "/" if prefix else ""
+
+    def __repr__(self) -> str:
+        return f"PrefixStore({self.inner!r}, {self.prefix!r})"
+
+    # -- mapping
+
+    def _full(self, key: str) -> str:
+        return self._root + key
+
+    def _rel(self, key: str) -> str:
+        return key[len(self._root) :] if key.startswith(self._root) else key
+
+    def _meta(self, meta: ObjectMeta) -> ObjectMeta:
+        return dataclasses.replace(meta, key=self._rel(meta.key))
+
+    def _inner_handle(self, handle: UploadHandle) -> UploadHandle:
+        inner = handle.state.get("inner")
+        if inner is None:  # rebuilt from a PendingUpload (abort_upload): key and id only
+            inner = UploadHandle(key=self._full(handle.key), mode=handle.mode, upload_id=handle.upload_id)
+        return inner
+
+    @contextmanager
+    def _relative_errors(self) -> Iterator[None]:
+        """Errors of the inner store name the key relative to this store, and its location. (For
+        a key below the prefix the message already reads ``inner location/prefix/key``, the same
+        text; an error about the whole store, key ``""``, gets this store's location.)"""
+        try:
+            yield
+        except (StoreError, ChecksumMismatchError) as exc:
+            self._relocate(exc)
+            raise
+
+    def _relocate(self, exc: StoreError | ChecksumMismatchError) -> None:
+        key, location = exc.key, exc.location
+        if not self._root or location != self.inner.location:
+            return
+        if key and not key.startswith(self._root):
+            return  # not one of ours (e.g. a backend's private name): leave it as it is
+        old, new = _where(exc, location, key), _where(exc, self.location, self._rel(key))
+        exc.key, exc.location = self._rel(key), self.location
+        if old != new and exc.message.endswith(old):
+            exc._set_message(exc.message[: -len(old)] + new)
+
+    def _key_rule(self, key: str) -> str | None:
+        return self.inner._key_rule(self._full(key))
+
+    # -- primitives
+
+    def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
+        with self._relative_errors():
+            return self._meta(self.inner._put(self._full(key), data, mode, crc32c))
+
+    def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+        with self._relative_errors():
+            stream = self.inner._open(self._full(key), start, end)  # a wrapper may fail here
+        return self._relative_stream(stream)
+
+    def _relative_stream(self, stream: Iterator[bytes]) -> Iterator[bytes]:
+        with self._relative_errors():
+            yield from stream
+
+    def _head(self, key: str) -> ObjectMeta:
+        with self._relative_errors():
+            return self._meta(self.inner._head(self._full(key)))
+
+    def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:
+        after = None if start_after is None else self._full(start_after)
+        with self._relative_errors():
+            page, more = self.inner._list_page(self._full(prefix), after, limit)
+        return [self._meta(m) for m in page], more
+
+    def _list_prefixes(self, prefix: str) -> list[str]:
+        with self._relative_errors():
+            return [self._rel(p) for p in self.inner._list_prefixes(self._full(prefix))]
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        with self._relative_errors():
+            self.inner._delete_batch([self._full(k) for k in keys])
+
+    def _create_upload(self, key: str, mode: PutMode) -> UploadHandle:
+        with self._relative_errors():
+            inner = self.inner._create_upload(self._full(key), mode)
+        return UploadHandle(key=key, mode=mode, upload_id=inner.upload_id, state={"inner": inner})
+
+    def _upload_part(
+        self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
+    ) -> PartResult:
+        with self._relative_errors():
+            return self.inner._upload_part(self._inner_handle(handle), part_number, offset, data, crc32c)
+
+    def _complete_upload(
+        self, handle: UploadHandle, parts: list[PartResult], size: int, crc32c: str
+    ) -> ObjectMeta:
+        with self._relative_errors():
+            return self._meta(self.inner._complete_upload(self._inner_handle(handle), parts, size, crc32c))
+
+    def _abort_upload(self, handle: UploadHandle) -> None:
+        with self._relative_errors():
+            self.inner._abort_upload(self._inner_handle(handle))
+
+    def _list_uploads(self, prefix: str) -> list[PendingUpload]:
+        with self._relative_errors():
+            found = self.inner._list_uploads(self._full(prefix))
+        return [dataclasses.replace(u, key=self._rel(u.key)) for u in found if u.key.startswith(self._root)]
 
 
 class CountingStore(_Wrapper):
@@ -202,8 +329,9 @@ class Fault:
         times: how many matching calls fail; ``None``: every one.
         after: ``True``: perform the call, then raise (a lost response: the write happened).
         probability: chance that a matching call fails (the store's seeded RNG decides).
-        after_bytes: ``open`` only: the stream yields this many bytes, then raises mid-stream
-            (a connection reset during a download). ``None``: raise when opening.
+        after_bytes: ``open`` only: a read (``get``, ``get_stream``) yields this many bytes, then
+            raises mid-stream (a connection reset during a download); ``times`` counts the reads
+            that got that far. ``None``: raise when opening.
     """
 
     op: str = "*"
@@ -213,6 +341,12 @@ class Fault:
     after: bool = False
     probability: float = 1.0
     after_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.op != "*" and self.op not in _OPS:
+            raise ValueError(f"Fault op {self.op!r} is not a primitive; use one of {sorted(_OPS)} or '*'")
+        if self.after_bytes is not None and self.op not in ("open", "*"):
+            raise ValueError("after_bytes breaks a read stream: it needs op='open'")
 
     def matches(self, op: str, key: str, keys: list[str] | None) -> bool:
         if self.op not in ("*", op):
@@ -250,7 +384,9 @@ class FaultInjectingStore(_Wrapper):
                     continue
                 if fault.probability < 1.0 and self._rng.random() >= fault.probability:
                     continue
-                if fault.times is not None:
+                # A broken-stream fault counts when it fires (_break_stream): a read that ends
+                # before the fault point (a small object) was not failed and uses up nothing.
+                if fault.times is not None and not (op == "open" and fault.after_bytes is not None):
                     fault.times -= 1
                 return fault
         return None
@@ -282,17 +418,42 @@ class FaultInjectingStore(_Wrapper):
 
     def _break_stream(self, stream: Iterator[bytes], fault: Fault, key: str) -> Iterator[bytes]:
         budget = fault.after_bytes or 0
+        armed = True
         for chunk in stream:
-            if len(chunk) >= budget:
-                if budget:
-                    yield chunk[:budget]
-                close = getattr(stream, "close", None)
-                if close is not None:
-                    close()
-                raise self._make_error(fault, "open", key)
+            if armed and len(chunk) >= budget:
+                armed = self._fire(fault)
+                if armed:
+                    if budget:
+                        yield chunk[:budget]
+                    close = getattr(stream, "close", None)
+                    if close is not None:
+                        close()
+                    raise self._make_error(fault, "open", key)
             budget -= len(chunk)
             yield chunk
-        # The stream ended before the fault point: nothing to break.
+        # The stream ended before the fault point (or the rule was used up meanwhile by another
+        # stream): nothing to break.
+
+    def _fire(self, fault: Fault) -> bool:
+        with self._fault_lock:
+            if fault.times is None:
+                return True
+            if fault.times <= 0:
+                return False
+            fault.times -= 1
+            return True
 
 
-__all__ = ["CountingStore", "Fault", "FaultInjectingStore", "OPS"]
+def _where(exc: StoreError | ChecksumMismatchError, location: str, key: str) -> str:
+    """The ``[operation location/key]`` suffix objckpt.errors puts on a message (same format)."""
+    if isinstance(exc, StoreError):
+        if not (location or key):
+            return ""
+        joined = location.rstrip("/") + "/" + key if location else key
+        return f" [{exc.operation + ' ' if exc.operation else ''}{joined}]"
+    if not (key or location):
+        return ""
+    return f" [{location.rstrip('/') + '/' if location else ''}{key}]"
+
+
+__all__ = ["CountingStore", "Fault", "FaultInjectingStore", "PrefixStore"]

@@ -290,9 +290,9 @@ class MotoServer(_ServerProcess):
     """``python -m moto.server`` on 127.0.0.1 (in-memory, gone when stopped).
 
     moto honours ``If-None-Match``/``If-Match`` but decides them without a lock (two racing
-    writers can both win) and does not reject parts whose checksum is wrong, so
-    :attr:`store_options` declares ``conditional_writes=unsafe`` and ``verified_checksums=false``
-    (and ``read_concurrency=1``: a ranged GET costs moto a whole-object copy).
+    writers can both win), so :attr:`store_options` declares ``conditional_writes=unsafe`` (and
+    ``read_concurrency=1``: a ranged GET costs moto a whole-object copy). It also accepts parts
+    whose checksum is wrong (a gap the contract suite records).
 
     Args:
         min_part_size: moto's smallest accepted non-final part (S3: 5 MiB); tests may lower it
@@ -333,7 +333,6 @@ class MotoServer(_ServerProcess):
         return {
             **super().store_options,
             "conditional_writes": "unsafe",
-            "verified_checksums": "false",
             "read_concurrency": "1",
         }
 

@@ -17,14 +17,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from objckpt.store import Store
+from objckpt.testing.contract import (  # the gap ids live with the shipped contract suite
+    GAP_ATOMIC_CONDITIONALS,
+    GAP_CONDITIONAL_COMPLETE,
+    GAP_PART_CHECKSUM,
+)
 
 #: names in the order the contract suite parametrises over them
 BACKEND_NAMES = ["memory", "file", "s3_moto", "s3_localstack", "s3_env", "gcs"]
 
-# Gap identifiers used by the contract suite.
-GAP_PART_CHECKSUM = "rejects_bad_part_checksum"
-GAP_ATOMIC_CONDITIONALS = "atomic_conditionals_under_race"
-GAP_CONDITIONAL_COMPLETE = "conditional_complete_upload"
+__all__ = [
+    "BACKEND_NAMES",
+    "GAP_ATOMIC_CONDITIONALS",
+    "GAP_CONDITIONAL_COMPLETE",
+    "GAP_PART_CHECKSUM",
+    "Backend",
+]
 
 
 @dataclass
@@ -33,6 +41,7 @@ class Backend:
     make: Callable[[str], Store]  # make(unique_prefix) -> empty store rooted there
     gaps: dict[str, str] = field(default_factory=dict)  # gap id -> reason
     uri_for: Callable[[str], str] | None = None  # unique_prefix -> run-root URI (CLI tests)
+    missing_bucket: Callable[[], Store] | None = None  # a store on a bucket that does not exist
 
     def new_store(self, **_: object) -> Store:
         return self.make(f"t-{uuid.uuid4().hex[:12]}")

@@ -83,4 +83,5 @@ def backend_gcs(gcs_endpoint: str) -> Iterator[Backend]:
         lambda prefix: open_store(uri_for(prefix)),
         gaps=_gaps(),
         uri_for=uri_for,
+        missing_bucket=lambda: open_store(f"gs://objckpt-no-such-bucket/run?{query}"),
     )

@@ -21,6 +21,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
 
+from objckpt.store import Store
+
 from . import GAP_PART_CHECKSUM, Backend
 
 MOTO_BUCKET = "objckpt-moto"
@@ -64,7 +66,16 @@ def _server_backend(name: str, bucket: str, options: dict[str, str], gaps: dict[
     def uri_for(prefix: str) -> str:
         return _with_options(_prefixed_uri(base, prefix), options)
 
-    return Backend(name, lambda prefix: open_store(uri_for(prefix)), gaps=dict(gaps), uri_for=uri_for)
+    def missing_bucket() -> Store:
+        return open_store(_with_options("s3://objckpt-no-such-bucket/run", options))
+
+    return Backend(
+        name,
+        lambda prefix: open_store(uri_for(prefix)),
+        gaps=dict(gaps),
+        uri_for=uri_for,
+        missing_bucket=missing_bucket,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +95,6 @@ def backend_s3_moto() -> Iterator[Backend]:
             "secret_access_key": DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
             "region": DUMMY_CREDENTIALS["AWS_DEFAULT_REGION"],
             "conditional_writes": "unsafe",
-            "verified_checksums": "false",
             # moto copies the whole object for every ranged GET: parallel reads only slow it down
             "read_concurrency": "1",
         }

@@ -134,7 +134,7 @@ def test_ls_reads_manifests_only_never_data(committed, monkeypatch, capsys):
     data_calls = [c for c in calls if c[1].startswith("data/")]
     assert {op for op, _ in data_calls} <= {"head"}, calls
     assert {key for _, key in data_calls} == {s.key for s in manifests[30].shards}
-    assert {op for op, _ in calls} <= {"get", "list_page", "head"}
+    assert {op for op, _ in calls} <= {"open", "list_page", "head"}
 
 
 def test_ls_empty_root(file_root):

@@ -12,7 +12,7 @@ from objckpt.commit import Coordinator
 from objckpt.errors import CommitConflict, CommitError, NotSupportedError, PermissionDeniedError
 from objckpt.manifest import Manifest
 from objckpt.reader import Reader
-from objckpt.store.base import Capabilities, PutMode
+from objckpt.store.base import Capabilities, PutMode, Store
 from objckpt.store.memory import MemoryStore
 from objckpt.store.wrappers import CountingStore, Fault, FaultInjectingStore
 from objckpt.writer import ShardWriter
@@ -158,9 +158,65 @@ def test_recommitting_the_same_attempt_returns_the_existing_manifest():
 
 
 def test_coordinator_refuses_stores_without_conditional_writes():
-    for caps in (Capabilities(create_if_absent=False), Capabilities(compare_and_swap=False)):
+    for caps in (
+        replace(Capabilities.ALL, create_if_absent=False),
+        replace(Capabilities.ALL, compare_and_swap=False),
+    ):
         with pytest.raises(NotSupportedError):
             Coordinator(MemoryStore("x", capabilities=caps), world_size=1)
+
+
+class _Undeclared(Store):
+    """A backend that forgets to declare what it guarantees. Its primitives delegate to a memory
+    store, which would enforce everything: only the missing declaration differs."""
+
+    def __init__(self) -> None:
+        super().__init__(location="undeclared://x")
+        self.m = MemoryStore("x")
+
+    def _put(self, key, data, mode, crc32c):
+        return self.m._put(key, data, mode, crc32c)
+
+    def _open(self, key, start, end):
+        return self.m._open(key, start, end)
+
+    def _head(self, key):
+        return self.m._head(key)
+
+    def _list_page(self, prefix, start_after, limit):
+        return self.m._list_page(prefix, start_after, limit)
+
+    def _list_prefixes(self, prefix):
+        return self.m._list_prefixes(prefix)
+
+    def _delete_batch(self, keys):
+        return self.m._delete_batch(keys)
+
+    def _create_upload(self, key, mode):
+        return self.m._create_upload(key, mode)
+
+    def _upload_part(self, handle, part_number, offset, data, crc32c):
+        return self.m._upload_part(handle, part_number, offset, data, crc32c)
+
+    def _complete_upload(self, handle, parts, size, crc32c):
+        return self.m._complete_upload(handle, parts, size, crc32c)
+
+    def _abort_upload(self, handle):
+        return self.m._abort_upload(handle)
+
+    def _list_uploads(self, prefix):
+        return self.m._list_uploads(prefix)
+
+
+def test_a_store_that_declares_no_capabilities_cannot_commit():
+    store = _Undeclared()
+    assert store.capabilities == Capabilities.NONE  # fail closed: nothing declared, nothing assumed
+    store.put("plain", b"overwrite needs no guarantee")
+    assert store.get("plain") == b"overwrite needs no guarantee"
+    with pytest.raises(NotSupportedError):
+        Coordinator(store, world_size=1)
+    with pytest.raises(NotSupportedError):
+        store.put("k", b"x", mode=PutMode.CREATE)
 
 
 # -- invariant 7 (parent)

@@ -37,7 +37,7 @@ def build_history(n_checkpoints: int, shards_per_rank: int, world_size: int = 4)
 
 # -- invariant 10: constant-cost resolution that never scans shard prefixes
 
-RESOLVE_COST = {"get": 2, "list_page": 2, "head": 1}
+RESOLVE_COST = {"open": 2, "list_page": 2, "head": 1}
 
 
 def resolve_counting(store):

@@ -290,7 +290,7 @@ def test_resolution_cost_is_constant_in_timelines_and_checkpoints() -> None:
             lineage.forget(store)
             save(store, 30 + i)
     assert Reader(many).history.claim_numbers()[-1] == 40
-    assert _resolve_counts(few) == _resolve_counts(many) == {"get": 2, "list_page": 2, "head": 1}
+    assert _resolve_counts(few) == _resolve_counts(many) == {"open": 2, "list_page": 2, "head": 1}
 
 
 def test_a_lost_pointer_update_rolls_forward_onto_a_newer_timeline() -> None:

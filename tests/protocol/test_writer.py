@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_writer_never_overwrites_an_existing_shard(part_size):
 
 
 def test_writer_refuses_store_without_create_if_absent():
-    store = MemoryStore("x", capabilities=Capabilities(create_if_absent=False))
+    store = MemoryStore("x", capabilities=replace(Capabilities.ALL, create_if_absent=False))
     with pytest.raises(NotSupportedError, match="create-if-absent"):
         ShardWriter(store, step=STEP, attempt=ATTEMPT, rank=0)
 

@@ -31,6 +31,8 @@ from objckpt._crc import crc32c_b64  # noqa: E402
 from objckpt._retry import RetryPolicy  # noqa: E402
 from objckpt.errors import (  # noqa: E402
     AlreadyExistsError,
+    BucketNotFoundError,
+    ChecksumMismatchError,
     ConfigError,
     InvalidKeyError,
     NotFoundError,
@@ -39,7 +41,7 @@ from objckpt.errors import (  # noqa: E402
     StoreError,
     TransientError,
 )
-from objckpt.store import PutMode, open_store  # noqa: E402
+from objckpt.store import PrefixStore, PutMode, open_store  # noqa: E402
 from objckpt.store.gcs import MAX_COMPONENTS, GCSStore  # noqa: E402
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff=0.001, max_backoff=0.005)
@@ -95,7 +97,9 @@ class Rule:
 
     method: str
     url: str  # regex searched in the (unquoted) URL
-    action: str  # "status" (answer without sending), "raise" (do not send), "raise_after" (send)
+    # "status" (answer without sending), "raise" (do not send), "raise_after" (send, then raise),
+    # "corrupt" (send, then flip the first byte of the body the client receives)
+    action: str
     status: int = 503
     error: BaseException | None = None
     times: int = 1
@@ -136,6 +140,11 @@ class HttpSpy:
                 return real(method, url, *args, **kwargs)
             if rule.action == "status":
                 return _fake_response(method, url, rule.status, rule.body)
+            if rule.action == "corrupt":
+                resp = real(method, url, *args, **kwargs)
+                body = resp.content  # reads the stream; iter_content then serves _content
+                resp._content = bytes([body[0] ^ 0xFF]) + body[1:]
+                return resp
             if rule.action == "raise_after":
                 real(method, url, *args, **kwargs)
             raise rule.error or requests.exceptions.ConnectionError("injected: connection reset")
@@ -175,7 +184,7 @@ def spy(monkeypatch) -> Callable[[GCSStore], HttpSpy]:
 # ---------------------------------------------------------------- error mapping
 
 
-def test_missing_bucket_is_not_found_naming_the_bucket(backend_gcs):
+def test_missing_bucket_is_bucket_not_found_naming_the_bucket(backend_gcs):
     uri = backend_gcs.uri_for("run").replace("gs://objckpt-test-", "gs://no-such-bucket-", 1)
     store = open_store(uri, retry=ONCE)
     bucket = store.bucket_name
@@ -189,8 +198,9 @@ def test_missing_bucket_is_not_found_naming_the_bucket(backend_gcs):
             lambda: store.delete(["k"]),
             lambda: store.put_stream("k", b"x" * 3000, part_size=1000),
         ):
-            with pytest.raises(NotFoundError) as info:
+            with pytest.raises(BucketNotFoundError) as info:
                 call()
+            assert type(info.value) is BucketNotFoundError
             assert f"bucket {bucket!r} does not exist" in str(info.value)
             assert f"gs://{bucket}/run" in str(info.value)
     finally:
@@ -268,6 +278,29 @@ def test_http_status_maps_to_the_error_class(make_store, spy, op, status, expect
     assert recorder.matching(method, pattern), "the fault was never injected"
 
 
+def test_a_checksum_the_server_refuses_is_a_checksum_mismatch_like_on_every_backend(make_store, spy):
+    # what real GCS answers when the crc32c sent with an upload does not match the bytes
+    body = json.dumps(
+        {
+            "error": {
+                "code": 400,
+                "message": 'Provided CRC32C "AAAAAA==" doesn\'t match calculated CRC32C "BBBBBB==".',
+            }
+        }
+    )
+    store = make_store(retry=ONCE)
+    recorder = spy(store)
+    recorder.add(Rule("POST", r"uploadType=multipart", "status", status=400, body=body, times=2))
+    for call in (
+        lambda: store.put("k", b"x"),
+        lambda: store.put_stream("m", b"y" * 2500, part_size=1000),  # the marker upload
+    ):
+        with pytest.raises(ChecksumMismatchError) as info:
+            call()
+        assert type(info.value) is ChecksumMismatchError
+        assert "HTTP 400" in str(info.value) and store.location in str(info.value)
+
+
 def test_connection_errors_and_timeouts_are_transient(make_store, spy):
     store = make_store(retry=ONCE)
     store.put("obj", b"data")
@@ -305,12 +338,8 @@ def test_error_messages_never_carry_the_access_token(backend_gcs, gcs_endpoint):
     from google.oauth2.credentials import Credentials
 
     token = "ya29.SECRET-TOKEN-do-not-log"
-    store = GCSStore(
-        backend_gcs.uri_for("x").split("/")[2],
-        f"t-{uuid.uuid4().hex[:8]}",
-        endpoint_url=gcs_endpoint,
-        credentials=Credentials(token=token),
-        retry=ONCE,
+    store = open_store(
+        backend_gcs.uri_for(f"t-{uuid.uuid4().hex[:8]}"), credentials=Credentials(token=token), retry=ONCE
     )
     try:
         store.put("k", b"1", mode=PutMode.CREATE)
@@ -450,7 +479,7 @@ def test_reserved_private_keys_cannot_be_written(gstore):
 
 def test_part_with_wrong_crc32c_is_rejected_and_discarded(gstore, raw):
     handle = gstore._create_upload("bad", PutMode.CREATE)
-    with pytest.raises(StoreError, match="checksum mismatch"):
+    with pytest.raises(ChecksumMismatchError, match="checksum mismatch"):
         gstore._upload_part(handle, 1, 0, memoryview(b"these bytes"), crc32c_b64(b"other bytes"))
     assert not [n for n in raw_names(raw, gstore) if "/parts/" in n]  # the bad part is gone
     gstore._abort_upload(handle)
@@ -458,7 +487,7 @@ def test_part_with_wrong_crc32c_is_rejected_and_discarded(gstore, raw):
 
 
 def test_put_with_wrong_crc32c_is_rejected_and_leaves_no_object(gstore):
-    with pytest.raises(StoreError, match="checksum mismatch"):
+    with pytest.raises(ChecksumMismatchError, match="checksum mismatch"):
         gstore._put("bad", memoryview(b"these bytes"), PutMode.CREATE, crc32c_b64(b"other"))
     with pytest.raises(NotFoundError):
         gstore.head("bad")
@@ -469,7 +498,7 @@ def test_a_staged_object_that_does_not_match_is_never_published(gstore, raw):
     parts = [
         gstore._upload_part(handle, n, (n - 1) * 3, memoryview(b"abc"), crc32c_b64(b"abc")) for n in (1, 2)
     ]
-    with pytest.raises(StoreError, match="nothing was published"):
+    with pytest.raises(ChecksumMismatchError, match="nothing was published"):
         gstore._complete_upload(handle, parts, 6, crc32c_b64(b"abcabX"))
     with pytest.raises(NotFoundError):
         gstore.head("k")
@@ -573,7 +602,22 @@ def test_get_stream_reads_ranges_and_resumes_after_a_reset(make_store, spy):
     assert len(retried) == 1 and isinstance(retried[0], TransientError)
     ranged = recorder.matching("GET", r"alt=media")
     assert len(ranged) == 6  # five ranges plus the one that was cut
-    assert all(f"generation={meta.version}" in u for u in ranged)  # one version throughout
+    assert len([c for c in recorder.calls if c[0] == "GET"]) == 6  # and no HEAD first
+    # the first range of each read learns the generation; every later one is pinned to it
+    assert ["generation=" in u for u in ranged] == [False, True, False, True, True, True]
+    assert all(f"generation={meta.version}" in u for u in ranged if "generation=" in u)
+
+
+def test_a_bounded_range_is_one_request_and_an_open_ended_read_streams_ranges(make_store, spy):
+    store = make_store(read_chunk=1000)
+    data = _payload(4500, seed=6)
+    store.put("s", data)
+    recorder = spy(store)
+    assert store.get("s", byte_range=(100, 4000)) == data[100:4000]
+    assert len(recorder.matching("GET", r"alt=media")) == 1  # get() returns it whole anyway
+    recorder.calls.clear()
+    assert store.get("s") == data
+    assert len(recorder.matching("GET", r"alt=media")) == 5  # 1000-byte ranges: memory bounded
 
 
 def test_get_range_past_the_end_is_empty(gstore):
@@ -584,13 +628,48 @@ def test_get_range_past_the_end_is_empty(gstore):
     assert gstore.get("e", byte_range=(0, 5)) == b""
 
 
+def test_a_small_object_is_read_with_one_request_and_checked_against_its_crc32c(make_store, spy):
+    store = make_store(retry=FAST)
+    store.put("small", b"0123456789")
+    recorder = spy(store)
+    assert store.get("small") == b"0123456789"
+    assert len([c for c in recorder.calls if c[0] == "GET"]) == 1  # no HEAD, one ranged GET
+    # flipped in transit: the whole object came in one answer, so its x-goog-hash catches it
+    retried: list[BaseException] = []
+    store.add_retry_listener(lambda exc, attempt: retried.append(exc))
+    recorder.add(Rule("GET", r"alt=media", "corrupt"))
+    assert store.get("small") == b"0123456789"  # the retry reads it intact
+    assert len(retried) == 1 and isinstance(retried[0], TransientError)
+    assert "corrupted in transit" in str(retried[0])
+
+
+@pytest.mark.parametrize("key", ["../escape", "a/../../b", "a//b", "/abs", "nul\x00", "a\\b"])
+def test_keys_that_could_escape_never_reach_the_sdk(make_store, spy, key):
+    store = make_store()
+    bare = store.inner  # the bucket-level GCSStore refuses them too, not only the prefix
+    recorder = spy(store)
+    for target in (store, bare):
+        calls = (
+            lambda t: t.put(key, b"x"),
+            lambda t: t.get(key),
+            lambda t: t.head(key),
+            lambda t: t.get_stream(key),
+            lambda t: t.delete([key]),
+            lambda t: t.put_stream(key, b"x" * 3000, part_size=1000),
+        )
+        for call in calls:
+            with pytest.raises(InvalidKeyError):
+                call(target)
+    assert recorder.calls == []
+
+
 # ---------------------------------------------------------------- URI options
 
 
 def test_uri_options_and_unknown_ones(gcs_endpoint):
     q = urllib.parse.quote(gcs_endpoint, safe="")
     store = open_store(f"gs://some-bucket/run/a?endpoint_url={q}&timeout=5&read_chunk=1KiB&part_size=2MiB")
-    assert isinstance(store, GCSStore)
+    assert isinstance(store, PrefixStore) and isinstance(store.inner, GCSStore)
     assert (store.bucket_name, store.prefix, store.location) == (
         "some-bucket",
         "run/a",

@@ -13,6 +13,7 @@ from objckpt._crc import crc32c_b64
 from objckpt.errors import (
     AlreadyExistsError,
     ChecksumMismatchError,
+    ConfigError,
     NotFoundError,
     NotSupportedError,
     PermissionDeniedError,
@@ -335,7 +336,7 @@ def test_every_write_gets_a_distinct_version_even_when_inodes_are_reused(store):
     # ext4 hands a freed inode to the next file and kernel mtimes are jiffy-coarse, so without
     # the writer's unique mtime these tokens would repeat (ABA) and a stale CAS could succeed.
     seen = set()
-    for i in range(200):
+    for _ in range(200):
         meta = store.put("ptr", b"same size")
         assert meta.version not in seen
         seen.add(meta.version)
@@ -378,16 +379,74 @@ def test_missing_root_reads_as_empty_and_the_first_write_creates_it(root):
     assert store.get("deep/k") == b"x"
 
 
-def test_create_falls_back_to_locked_check_when_hard_links_are_unsupported(store, root, monkeypatch):
-    def no_link(*_args, **_kwargs):
+def _no_hard_links(monkeypatch) -> list[tuple[str, str]]:
+    calls = []
+
+    def no_link(src, dst, *_args, **_kwargs):
+        calls.append((str(src), str(dst)))
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_link)
+    return calls
+
+
+def test_create_without_hard_links_is_refused_naming_the_root_and_the_option(store, root, monkeypatch):
+    links = _no_hard_links(monkeypatch)
+    with pytest.raises(NotSupportedError) as info:
+        store.put("k", b"first", mode=PutMode.CREATE)
+    message = str(info.value)
+    assert f"file://{root}" in message and "hard links" in message and "create=lock" in message
+    assert links  # the link was tried: the refusal is the filesystem's, not a guess
+    with pytest.raises(NotSupportedError):
+        store.put_stream("big", bytes(3 * MiB), part_size=MiB)
+    monkeypatch.undo()
+    with pytest.raises(NotFoundError):  # nothing written, nothing staged
+        store.head("k")
+    assert _files(root) == [] and _staging(root) == []
+    assert store.list_uploads() == []
+    # overwrite and update never link: they work on such a filesystem as they are
+    _no_hard_links(monkeypatch)
+    v1 = store.put("k", b"1")
+    store.put("k", b"2", mode=PutMode.update(v1.version))
+    assert store.get("k") == b"2"
+
+
+def test_create_lock_opts_in_to_a_locked_check_without_hard_links(root, monkeypatch):
+    store = open_store(f"file://{root}?create=lock")
+    _no_hard_links(monkeypatch)
     store.put("k", b"first", mode=PutMode.CREATE)
     with pytest.raises(AlreadyExistsError):
         store.put("k", b"second", mode=PutMode.CREATE)
+    with pytest.raises(AlreadyExistsError):
+        store.put_stream("k", bytes(3 * MiB), part_size=MiB)
     assert store.get("k") == b"first"
     assert _staging(root) == []
+    with pytest.raises(ConfigError, match="create"):
+        open_store(f"file://{root}?create=maybe")
+
+
+def test_create_lock_racers_without_hard_links_have_one_winner(root, monkeypatch):
+    _no_hard_links(monkeypatch)
+    n = 8
+    stores = [open_store(f"file://{root}?create=lock") for _ in range(n)]  # as if 8 processes
+    barrier = threading.Barrier(n)
+    winners = []
+
+    def attempt(i):
+        barrier.wait()
+        try:
+            stores[i].put("race", f"w{i}".encode(), mode=PutMode.CREATE)
+            winners.append(i)
+        except AlreadyExistsError:
+            pass
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1
+    assert stores[0].get("race") == f"w{winners[0]}".encode()
 
 
 def test_lock_files_stay_bounded_and_out_of_listings(store, root):

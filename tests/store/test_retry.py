@@ -30,7 +30,7 @@ def _faulty(*faults: Fault, retry: RetryPolicy = FAST, inner=None):
     return store, retries
 
 
-@pytest.mark.parametrize("op", ["put", "get", "list_page", "upload_part", "head", "complete_upload"])
+@pytest.mark.parametrize("op", ["put", "open", "list_page", "upload_part", "head", "complete_upload"])
 def test_transient_error_is_retried_and_the_call_succeeds(op):
     store, retries = _faulty(Fault(op=op, times=2))
     data = bytes(range(256)) * 1000
@@ -48,7 +48,7 @@ def test_transient_error_is_retried_and_the_call_succeeds(op):
 
 
 @pytest.mark.parametrize("error", [PermissionDeniedError, NotFoundError])
-@pytest.mark.parametrize("op", ["put", "get", "head"])
+@pytest.mark.parametrize("op", ["put", "open", "head"])
 def test_permanent_error_is_raised_after_exactly_one_try(op, error):
     inner = CountingStore(MemoryStore("perm", retry=FAST))
     inner.put("k", b"data")
@@ -56,7 +56,7 @@ def test_permanent_error_is_raised_after_exactly_one_try(op, error):
     store, retries = _faulty(Fault(op=op, error=error, times=None), inner=inner)
     call = {
         "put": lambda: store.put("k", b"new"),
-        "get": lambda: store.get("k"),
+        "open": lambda: store.get("k"),
         "head": lambda: store.head("k"),
     }[op]
     with pytest.raises(error) as info:
@@ -88,7 +88,7 @@ def test_attempt_cap_is_honoured():
 
 def test_retry_deadline_is_honoured():
     policy = RetryPolicy(deadline=0.2, max_attempts=10_000, initial_backoff=0.02, max_backoff=0.02)
-    store, _ = _faulty(Fault(op="get", times=None), retry=policy)
+    store, _ = _faulty(Fault(op="open", times=None), retry=policy)
     started = time.monotonic()
     with pytest.raises(TransientError):
         store.get("k")
@@ -102,9 +102,9 @@ class _OffsetRecordingMemoryStore(MemoryStore):
         super().__init__(*args, **kwargs)
         self.opened_at: list[int] = []
 
-    def _open(self, key, start):
+    def _open(self, key, start, end):
         self.opened_at.append(start)
-        return super()._open(key, start)
+        return super()._open(key, start, end)
 
 
 def test_get_stream_resumes_from_the_right_offset_after_a_mid_stream_error():
@@ -172,7 +172,11 @@ def test_counting_store_counts_each_try_and_records_calls_in_order():
     counting.delete(["x", "y"])
     assert counting.counts["put"] == 3
     assert counting.counts["delete_batch"] == 1
-    assert counting.calls == [("put", "x")] * 3 + [("get", "x"), ("delete_batch", "x"), ("delete_batch", "y")]
+    assert counting.calls == [("put", "x")] * 3 + [
+        ("open", "x"),
+        ("delete_batch", "x"),
+        ("delete_batch", "y"),
+    ]
     assert counting.total == 5
     counting.reset()
     assert counting.total == 0 and counting.calls == []
@@ -199,3 +203,35 @@ def test_create_whose_response_was_lost_is_recognised_as_our_own_write():
     inner.put("other", b"someone else's bytes")  # a genuine conflict: different content
     with pytest.raises(AlreadyExistsError):
         store.put("other", b"payload", mode=PutMode.CREATE)
+
+
+def test_get_retries_a_read_broken_mid_stream_from_the_start():
+    # get() reads through the one ranged primitive: a stream cut half-way is read again whole
+    inner = _OffsetRecordingMemoryStore("whole", retry=FAST)
+    data = os.urandom(5 * MiB)
+    inner.put("big", data)
+    store, retries = _faulty(Fault(op="open", after_bytes=MiB), inner=inner)
+    assert store.get("big") == data
+    assert inner.opened_at == [0, 0]
+    assert len(retries) == 1
+
+
+def test_a_fault_naming_no_primitive_is_refused():
+    # "get" was a primitive once; a rule that can never match would make its test vacuous
+    with pytest.raises(ValueError, match="not a primitive"):
+        Fault(op="get")
+    with pytest.raises(ValueError, match="after_bytes"):
+        Fault(op="put", after_bytes=10)
+    Fault(op="*")
+    Fault(op="open", after_bytes=10)
+
+
+def test_a_broken_stream_fault_is_used_up_only_by_reads_that_reach_it():
+    inner = MemoryStore("reach", retry=FAST)
+    inner.put("small", b"x" * 100)
+    inner.put("big", bytes(300_000))
+    store, retries = _faulty(Fault(op="open", after_bytes=70_000, times=1), inner=inner)
+    assert store.get("small") == b"x" * 100  # ends before the fault point: not failed
+    assert store.injected == []
+    assert store.get("big") == bytes(300_000)  # this one is broken once, then retried
+    assert store.injected == [("open", "big")] and len(retries) == 1

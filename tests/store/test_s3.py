@@ -24,6 +24,7 @@ from objckpt._crc import crc32c_b64  # noqa: E402
 from objckpt._retry import RetryPolicy  # noqa: E402
 from objckpt.errors import (  # noqa: E402
     AlreadyExistsError,
+    BucketNotFoundError,
     ChecksumMismatchError,
     ConfigError,
     InvalidKeyError,
@@ -34,7 +35,7 @@ from objckpt.errors import (  # noqa: E402
     StoreError,
     TransientError,
 )
-from objckpt.store import PutMode, open_store  # noqa: E402
+from objckpt.store import PrefixStore, PutMode, open_store  # noqa: E402
 from objckpt.store.s3 import S3Store, map_s3_error, multipart_etag  # noqa: E402
 from tests.backends import GAP_PART_CHECKSUM  # noqa: E402
 from tests.conftest import expect_gap  # noqa: E402
@@ -50,7 +51,9 @@ KEY_ID = "AKIDMARKER0000000000"
 # ---------------------------------------------------------------- helpers
 
 
-def stubbed(retry: RetryPolicy = ONE_TRY, **kwargs) -> tuple[S3Store, Stubber]:
+def stubbed(retry: RetryPolicy = ONE_TRY, **kwargs) -> tuple[PrefixStore, Stubber]:
+    """``s3://bkt/run`` as open_store builds it (the bucket's store under a PrefixStore), on a
+    stubbed client."""
     client = boto3.client(
         "s3",
         region_name="us-east-1",
@@ -58,10 +61,15 @@ def stubbed(retry: RetryPolicy = ONE_TRY, **kwargs) -> tuple[S3Store, Stubber]:
         aws_secret_access_key=SECRET,
         config=Config(retries={"total_max_attempts": 1}),
     )
-    store = S3Store("bkt", "run", client=client, retry=retry, **kwargs)
+    store = PrefixStore(S3Store("bkt", client=client, retry=retry, **kwargs), "run")
     stub = Stubber(client)
     stub.activate()
     return store, stub
+
+
+def client_of(store):
+    """The botocore client under ``store`` (open_store puts a PrefixStore around S3Store)."""
+    return (store.inner if isinstance(store, PrefixStore) else store)._client
 
 
 def _retries(store) -> list[BaseException]:
@@ -100,12 +108,16 @@ ERROR_TABLE = [
     ("InvalidAccessKeyId", 403, PermissionDeniedError, "InvalidAccessKeyId"),
     ("SignatureDoesNotMatch", 403, PermissionDeniedError, "SignatureDoesNotMatch"),
     ("ExpiredToken", 400, PermissionDeniedError, "ExpiredToken"),
-    ("NoSuchBucket", 404, NotFoundError, "bucket 'bkt' does not exist"),
+    ("NoSuchBucket", 404, BucketNotFoundError, "bucket 'bkt' does not exist"),
     ("NoSuchKey", 404, NotFoundError, "no such object"),
-    ("BadDigest", 400, StoreError, "checksum mismatch"),
-    ("InvalidDigest", 400, StoreError, "checksum mismatch"),
+    ("BadDigest", 400, ChecksumMismatchError, "checksum mismatch"),
+    ("InvalidDigest", 400, ChecksumMismatchError, "checksum mismatch"),
+    ("XAmzContentSHA256Mismatch", 400, ChecksumMismatchError, "checksum mismatch"),
     ("InvalidRequest", 400, StoreError, "InvalidRequest"),
     ("NotImplemented", 501, NotSupportedError, "does not implement"),
+    ("EntityTooSmall", 400, StoreError, "raise part_size"),
+    ("SomethingNew", 502, TransientError, "SomethingNew"),  # unknown code: the status decides
+    ("SomethingNew", 418, StoreError, "request rejected"),
 ]
 
 
@@ -115,7 +127,7 @@ def test_client_errors_map_to_objckpt_errors(code, status, expected, text):
     stub.add_client_error(
         "get_object", service_error_code=code, service_message="server says no", http_status_code=status
     )
-    with pytest.raises(StoreError) as info:
+    with pytest.raises(Exception) as info:  # ChecksumMismatchError is an IntegrityError
         store.get("a/k")
     err = info.value
     assert type(err) is expected
@@ -125,6 +137,20 @@ def test_client_errors_map_to_objckpt_errors(code, status, expected, text):
     assert SECRET not in str(err) and KEY_ID not in str(err)
     if expected is StoreError:  # permanent rejections are not retryable
         assert not isinstance(err, TransientError)
+    assert err.key == "a/k"  # relative to the run root, like every store's errors
+
+
+def test_a_checksum_rejection_worded_as_invalid_request_is_a_checksum_mismatch():
+    store, stub = stubbed()
+    stub.add_client_error(
+        "put_object",
+        service_error_code="InvalidRequest",
+        service_message="Value for x-amz-checksum-crc32c header is invalid.",
+        http_status_code=400,
+    )
+    with pytest.raises(ChecksumMismatchError) as info:
+        store.put("k", b"x")
+    assert type(info.value) is ChecksumMismatchError and "s3://bkt/run/k" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -299,7 +325,7 @@ def test_client_config_disables_sdk_retries_and_default_checksums():
         "s3://bkt/run?endpoint_url=http://127.0.0.1:1&max_in_flight=24"
         f"&access_key_id={KEY_ID}&secret_access_key={SECRET}"
     )
-    config = store._client.meta.config
+    config = client_of(store).meta.config
     assert config.retries["total_max_attempts"] == 1
     assert config.request_checksum_calculation == "when_required"
     assert config.response_checksum_validation == "when_required"
@@ -352,11 +378,23 @@ def test_keys_that_could_escape_the_root_are_refused_without_a_request(key):
     stub.assert_no_pending_responses()
 
 
-def test_capabilities_follow_options():
-    assert S3Store("bkt", client=object()).capabilities.atomic_conditionals
-    unsafe = S3Store("bkt", client=object(), conditional_writes="unsafe", verified_checksums=False)
+def test_capabilities_follow_options_and_hold_through_the_prefix():
+    from objckpt.store import Capabilities
+
+    assert S3Store("bkt", client=object()).capabilities == Capabilities.ALL
+    unsafe = S3Store("bkt", client=object(), conditional_writes="unsafe")
     assert unsafe.capabilities.create_if_absent and not unsafe.capabilities.atomic_conditionals
-    assert not unsafe.capabilities.server_verified_checksums
+    assert S3Store("bkt", client=object(), conditional_writes="none").capabilities == Capabilities.NONE
+    assert PrefixStore(unsafe, "run").capabilities == unsafe.capabilities
+
+
+def test_open_store_roots_the_bucket_store_under_a_prefix_store():
+    uri = "s3://bkt/runs/a?endpoint_url=http://127.0.0.1:1&access_key_id=a&secret_access_key=b"
+    with open_store(uri) as store:
+        assert isinstance(store, PrefixStore) and isinstance(store.inner, S3Store)
+        assert (store.prefix, store.inner.bucket, store.location) == ("runs/a", "bkt", "s3://bkt/runs/a")
+    with open_store("s3://bkt?endpoint_url=http://127.0.0.1:1&access_key_id=a&secret_access_key=b") as bare:
+        assert isinstance(bare, S3Store) and bare.location == "s3://bkt"
 
 
 # ---------------------------------------------------------------- on a server
@@ -387,7 +425,7 @@ def test_wire_carries_our_crc32c_and_no_sdk_default_checksums(s3_store):
         headers = {k.lower(): (v.decode() if isinstance(v, bytes) else v) for k, v in request.headers.items()}
         sent.append((event_name.rsplit(".", 1)[-1], headers))
 
-    s3_store._client.meta.events.register("before-send.s3", record)
+    client_of(s3_store).meta.events.register("before-send.s3", record)
     small = os.urandom(1000)
     data = os.urandom(PART + 100)
     s3_store.put("one", small, mode=PutMode.CREATE)
@@ -464,9 +502,9 @@ def test_server_rejects_a_corrupted_part_and_the_upload_is_aborted(request, s3_b
         return real(handle, number, offset, data, crc32c_b64(b"other bytes") if number == 2 else crc)
 
     s3_store._upload_part = corrupting
-    with pytest.raises(StoreError) as info:
+    with pytest.raises(ChecksumMismatchError) as info:
         s3_store.put_stream("corrupt", os.urandom(PART + 10), part_size=PART)
-    assert not isinstance(info.value, TransientError)
+    assert type(info.value) is ChecksumMismatchError
     assert "checksum" in str(info.value)
     assert s3_store.list_uploads("") == []
     with pytest.raises(NotFoundError):
@@ -475,8 +513,9 @@ def test_server_rejects_a_corrupted_part_and_the_upload_is_aborted(request, s3_b
 
 def test_server_rejects_a_put_whose_crc32c_is_wrong(request, s3_backend, s3_store):
     expect_gap(request, s3_backend, GAP_PART_CHECKSUM)
-    with pytest.raises(StoreError, match="checksum"):
+    with pytest.raises(ChecksumMismatchError, match="checksum") as info:
         s3_store._put("bad", memoryview(b"payload"), PutMode.CREATE, crc32c_b64(b"other"))
+    assert type(info.value) is ChecksumMismatchError
     with pytest.raises(NotFoundError):
         s3_store.head("bad")
 
@@ -511,7 +550,7 @@ def test_if_match_on_complete_multipart_upload(request, s3_backend, s3_store):
 
 def test_retried_complete_after_a_lost_response_succeeds(s3_store):
     """The first CompleteMultipartUpload succeeds on the server but its answer is lost."""
-    client = s3_store._client
+    client = client_of(s3_store)
     real = client.complete_multipart_upload
     calls = []
 
@@ -542,7 +581,7 @@ def test_large_reads_fan_out_into_ranged_gets_pinned_to_one_etag(s3_backend):
         data = os.urandom(5 * MiB + 3)
         meta = store.put("obj", data)
         sent: list[dict[str, str]] = []
-        store._client.meta.events.register(
+        client_of(store).meta.events.register(
             "before-send.s3.GetObject",
             lambda request, **_: sent.append(
                 {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
@@ -566,12 +605,13 @@ def test_large_reads_fan_out_into_ranged_gets_pinned_to_one_etag(s3_backend):
 
 
 def test_get_stream_resumes_after_a_read_error_mid_body(s3_backend):
-    uri = s3_backend.uri_for("t-resume-" + os.urandom(4).hex()) + "&read_concurrency=1"
+    # part_size below the object's size: the body is streamed in read_chunk pieces, not read whole
+    uri = s3_backend.uri_for("t-resume-" + os.urandom(4).hex()) + "&read_concurrency=1&part_size=1MiB"
     s3_store = open_store(uri)
     data = os.urandom(3 * MiB + 11)
     meta = s3_store.put("obj", data)
-    s3_store.read_chunk = MiB
-    client = s3_store._client
+    s3_store.inner.read_chunk = MiB
+    client = client_of(s3_store)
     real = client.get_object
     ranges = []
 
@@ -618,7 +658,7 @@ def test_pending_uploads_are_listed_with_their_start_and_aborted(s3_store):
     assert s3_store.list_uploads("") == []
 
 
-def test_missing_bucket_is_not_found_naming_the_bucket(backend_s3_moto):
+def test_missing_bucket_is_bucket_not_found_naming_the_bucket(backend_s3_moto):
     base = backend_s3_moto.uri_for("run")
     uri = base.replace("s3://objckpt-moto/", "s3://no-such-bucket-here/")
     with open_store(uri) as store:
@@ -633,8 +673,9 @@ def test_missing_bucket_is_not_found_naming_the_bucket(backend_s3_moto):
             "delete": lambda: store.delete(["k"]),
         }
         for name, call in calls.items():
-            with pytest.raises(NotFoundError) as info:
+            with pytest.raises(BucketNotFoundError) as info:
                 call()
+            assert type(info.value) is BucketNotFoundError, name
             assert "bucket 'no-such-bucket-here' does not exist" in str(info.value), name
             assert "s3://no-such-bucket-here/run" in str(info.value), name
 
