@@ -534,7 +534,7 @@ class Store(ABC):
                     retries >= self.retry.max_attempts
                     or time.monotonic() - streak_started > self.retry.deadline
                 ):
-                    raise
+                    raise self.retry.exhausted(exc, retries, time.monotonic() - streak_started) from None
                 self._notify_retry(exc, retries)
                 time.sleep(self.retry.backoff(retries))
         if expected_size is not None and crc.size != expected_size:
