@@ -23,7 +23,7 @@ from .errors import (
     PreconditionFailedError,
     StoreError,
 )
-from .manifest import Manifest, Pointer, ShardReceipt
+from .manifest import Manifest, Pointer, Reference, ShardReceipt
 from .reader import Reader
 from .store.base import PutMode, Store
 
@@ -90,6 +90,7 @@ class Coordinator:
         metadata: Mapping[str, Any] | None = None,
         timeline: int = 0,
         after: tuple[int, int] | None = None,
+        references: Mapping[int, Sequence[Reference]] | None = None,
     ) -> Manifest:
         """Commit ``attempt`` of ``step`` on ``timeline`` from every rank's receipts; return its
         manifest.
@@ -98,6 +99,11 @@ class Coordinator:
         last commit, or the checkpoint it restored); the parent is the newest commit of
         ``timeline`` below ``step`` found from there, else the timeline's base. It bounds the
         LIST that finds the parent, so the commit's cost never grows with history.
+
+        ``references``: per rank, the objects of ancestors its shards reuse (deduplication).
+        Each must be a shard committed by the parent, or one the parent itself references, with
+        the size, version and CRC32C recorded there, and present in the store as such; anything
+        else fails the commit naming the rank (invariant 5).
 
         Steps: (1) every rank ``0..world_size-1`` reported receipts, each under its own rank's
         prefix of this attempt; (2) one LIST of the attempt prefix (per 1,000 shards) shows every
@@ -121,7 +127,9 @@ class Coordinator:
         expected = self._check_reports(step, attempt, receipts)
         self._check_store(step, attempt, expected)
         parent = self._parent_of(timeline, step, after)
+        reused = self._check_references(step, attempt, parent, references or {})
         manifest = Manifest.create(
+            references=reused,
             timeline=timeline,
             step=step,
             attempt=attempt,
@@ -269,6 +277,82 @@ class Coordinator:
             raise CommitError(
                 f"step {step} not committed: cannot resolve the previous checkpoint: {exc}"
             ) from exc
+
+    # -- 3b. references: only what an ancestor committed, as it committed it
+
+    def _check_references(
+        self,
+        step: int,
+        attempt: str,
+        parent: tuple[int, int] | None,
+        references: Mapping[int, Sequence[Reference]],
+    ) -> list[Reference]:
+        by_identity: dict[tuple[int, int, int, str], Reference] = {}
+        reporter: dict[tuple[int, int, int, str], int] = {}
+        failures: dict[int, list[str]] = {}
+        for rank, refs in sorted(references.items()):
+            for ref in refs:
+                if not isinstance(ref, Reference):
+                    failures.setdefault(rank, []).append(f"not a Reference: {type(ref).__name__}")
+                    continue
+                if ref.identity in by_identity and by_identity[ref.identity] != ref:
+                    failures.setdefault(rank, []).append(f"reference {ref.key!r} differs from another rank's")
+                by_identity.setdefault(ref.identity, ref)
+                reporter.setdefault(ref.identity, rank)
+        if not by_identity and not failures:
+            return []
+
+        def fail(ref: Reference, why: str) -> None:
+            failures.setdefault(reporter[ref.identity], []).append(f"reference {ref.key!r}: {why}")
+
+        history = self.reader
+        try:
+            parent_manifest = history.fetch(layout.manifest_key(parent[1], parent[0])) if parent else None
+        except (NotFoundError, ManifestError) as exc:
+            parent_manifest = None
+            log.warning("cannot read the parent of step %d to check its references: %s", step, exc)
+        # The parent vouches for its own shards and for what it references itself (its commit
+        # checked those against their origin; the origin's manifest may since be collected while
+        # the object lives on, referenced).
+        vouched: dict[tuple[int, int, int, str], Any] = {}
+        if parent_manifest is not None:
+            for s in parent_manifest.shards:
+                vouched[(*parent_manifest.ref, s.rank, s.name)] = s
+            for r in parent_manifest.references:
+                vouched[r.identity] = r
+        prefixes: dict[str, dict[str, Any]] = {}
+        for ref in by_identity.values():
+            entry = vouched.get(ref.identity)
+            if entry is None:
+                why = (
+                    "this checkpoint has no parent to reuse objects from"
+                    if parent_manifest is None
+                    else f"checkpoint {ref.origin} is not an ancestor this checkpoint continues from "
+                    f"(its parent {parent_manifest.ref} neither committed nor references it)"
+                )
+                fail(ref, why)
+                continue
+            if (entry.key, entry.size, entry.version, entry.crc32c) != (ref.key, ref.size, ref.version, ref.crc32c):
+                fail(ref, f"checkpoint {ref.origin} did not commit it with this size, version and CRC32C")
+                continue
+            parsed = layout.parse_shard_key(ref.key)
+            assert parsed is not None  # a Reference's key is a shard key (validated when built)
+            prefix = layout.attempt_prefix(parsed[0], parsed[1])  # the origin's attempt: one LIST each
+            if prefix not in prefixes:
+                prefixes[prefix] = {m.key: m for m in self.store.list(prefix)}
+            meta = prefixes[prefix].get(ref.key)
+            if meta is None:
+                fail(ref, "it is missing from the store")
+            elif meta.size != ref.size or meta.version != ref.version:
+                fail(ref, f"the store holds {meta.size} bytes version {meta.version}")
+            elif meta.crc32c is not None and meta.crc32c != ref.crc32c:
+                fail(ref, f"the store's CRC32C is {meta.crc32c}")
+        if failures:
+            raise CommitError(
+                f"step {step} attempt {attempt} not committed: its references are not what an ancestor committed",
+                {rank: "; ".join(why) for rank, why in failures.items()},
+            )
+        return list(by_identity.values())
 
     # -- 4. the commit point
 

@@ -95,6 +95,9 @@ class ManifestDeletion:
     shard_keys: tuple[str, ...]
     size: int
     timeline: int = 0
+    #: its objects that stay: a retained checkpoint references them (deduplication)
+    shared_keys: tuple[str, ...] = ()
+    shared_size: int = 0
 
     @property
     def label(self) -> str:
@@ -143,6 +146,12 @@ class GcPlan:
             lines.append(
                 f"delete step {d.label}: manifest {d.key}, then {len(d.shard_keys)} shard(s), "
                 f"{d.size} bytes (attempt {d.attempt})"
+                + (
+                    f"; {len(d.shared_keys)} shared object(s), {d.shared_size} bytes, stay (a kept checkpoint "
+                    "references them)"
+                    if d.shared_keys
+                    else ""
+                )
             )
         for o in self.orphans:
             lines.append(
@@ -250,19 +259,29 @@ def plan_gc(
         elif left is None or left > now - policy.keep_abandoned:
             keep(ref, f"abandoned {_age(now, left)} ago; kept for keep_abandoned={policy.keep_abandoned}")
 
+    # Liveness (invariant 15): an object stays while any retained manifest needs it, as a shard
+    # or as a reference.
+    live = {key for ref, m in manifests.items() if ref in plan.kept for key in m.object_keys}
     for ref, m in sorted(manifests.items()):
         if ref in plan.kept:
             continue
+        own = [s for s in m.shards if s.key not in live]
+        shared = [s for s in m.shards if s.key in live]
         plan.manifests.append(
             ManifestDeletion(
-                m.step, m.key, m.attempt, tuple(s.key for s in m.shards), m.total_size, m.timeline
-            )
+                m.step, m.key, m.attempt, tuple(s.key for s in own), sum(s.size for s in own), m.timeline,
+                tuple(s.key for s in shared), sum(s.size for s in shared),
+            )  # fmt: skip
         )
 
     # Orphans: attempt prefixes that no remaining manifest references. Prefixes of steps whose
     # manifest is unreadable are left alone (we cannot tell which attempt it names), and those of
     # manifests being deleted are handled by their deletion.
     referenced = {(m.step, m.attempt) for m in manifests.values()}
+    for key in live:
+        parsed_key = layout.parse_shard_key(key)
+        if parsed_key is not None:
+            referenced.add(parsed_key[:2])
     unreadable_steps = {step for _, step in unreadable}
     for prefix in store.list_prefixes(layout.DATA_PREFIX):
         parsed = layout.parse_attempt_prefix(prefix)
@@ -306,6 +325,19 @@ def plan_gc(
     return plan
 
 
+def _live_keys(reader: Reader) -> set[str]:
+    """Every object some committed manifest needs right now (shards and references)."""
+    live: set[str] = set()
+    for key in reader.checkpoints().values():
+        try:
+            live.update(reader.fetch(key).object_keys)
+        except NotFoundError:
+            continue
+        except ManifestError as exc:
+            log.warning("gc: %s does not validate (%s); its objects cannot be known", key, exc)
+    return live
+
+
 def _label(ref: tuple[int, int]) -> str:
     return str(ref[1]) if ref[0] == 0 else f"t{ref[0]}:{ref[1]}"
 
@@ -346,8 +378,10 @@ def run_gc(store: Store, plan: GcPlan) -> GcResult:
     if doomed:
         store.delete(d.key for d in doomed)
         result.deleted_manifests = [d.key for d in doomed]
-    # 2. their shards.
-    shard_keys = [k for d in doomed for k in d.shard_keys]
+    # 2. their shards -- except what a manifest committed since the plan references (a save
+    # that reused an object of a checkpoint being collected keeps it alive).
+    live_now = _live_keys(reader) if any(d.shard_keys for d in doomed) else set()
+    shard_keys = [k for d in doomed for k in d.shard_keys if k not in live_now]
     if shard_keys:
         store.delete(shard_keys)
         result.deleted_objects += len(shard_keys)

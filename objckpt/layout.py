@@ -138,6 +138,15 @@ def shard_key(step: int, attempt: str, rank: int, name: str) -> str:
     return rank_prefix(step, attempt, rank) + name
 
 
+_SHARD_RE = re.compile(r"^data/(\d{20})-([0-9a-f]{16})/(\d{5})/(.+)$")
+
+
+def parse_shard_key(key: str) -> tuple[int, str, int, str] | None:
+    """``(step, attempt, rank, name)`` of a shard key, or None if ``key`` is not one."""
+    m = _SHARD_RE.match(key)
+    return (int(m.group(1)), m.group(2), int(m.group(3)), m.group(4)) if m else None
+
+
 def validate_key_in_root(key: str) -> str:
     """Reject keys that could escape the run root: absolute, ``..``, schemes, backslashes.
 

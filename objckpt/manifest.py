@@ -53,6 +53,7 @@ __all__ = [
     "POINTER_FORMAT_VERSION",
     "Manifest",
     "Pointer",
+    "Reference",
     "ShardReceipt",
     "TimelineClaim",
     "canonical_json",
@@ -62,8 +63,9 @@ __all__ = [
 FORMAT = "objckpt.manifest"
 #: version 2 adds the timeline and a parent that names its timeline; version 1 (revision 1 of
 #: the protocol: no timelines) is read as timeline 0
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
+#: version 3 adds references (objects of ancestors this checkpoint reuses instead of rewriting)
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 
 #: no shard is larger than this (1 PiB); anything bigger is a corrupt or hostile manifest
 MAX_OBJECT_SIZE = 2**50
@@ -208,6 +210,91 @@ def run_identity(run: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------------------- references
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An object an ancestor committed that this checkpoint reuses instead of rewriting it
+    (unchanged bytes: frozen layers, a rollback's base). Its identity is ``(origin, rank, name)``:
+    shard ``name`` of ``rank`` in checkpoint ``origin`` -- the checkpoint whose manifest lists
+    the object among its own shards. Shards that read bytes from it name it by that identity,
+    never by key, so a copy to another run root (new keys) only rewrites the manifest.
+
+    Attributes:
+        key, size, version, crc32c: the object, as ``origin``'s receipt records it.
+        origin_timeline, origin_step: the checkpoint that committed it.
+        rank, name: its shard identity there.
+    """
+
+    key: str
+    size: int
+    version: str
+    crc32c: str
+    origin_timeline: int
+    origin_step: int
+    rank: int
+    name: str
+
+    @property
+    def origin(self) -> tuple[int, int]:
+        return (self.origin_timeline, self.origin_step)
+
+    @property
+    def identity(self) -> tuple[int, int, int, str]:
+        return (self.origin_timeline, self.origin_step, self.rank, self.name)
+
+    @classmethod
+    def to(cls, receipt: ShardReceipt, origin: Any) -> Reference:
+        """A reference to ``receipt``, a shard of manifest ``origin``."""
+        return cls(
+            receipt.key, receipt.size, receipt.version, receipt.crc32c, origin.timeline, origin.step,
+            receipt.rank, receipt.name,
+        )  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "size": self.size,
+            "version": self.version,
+            "crc32c": self.crc32c,
+            "from": {"timeline": self.origin_timeline, "step": self.origin_step},
+            "rank": self.rank,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, *, key: str = "") -> Reference:
+        """Raises ManifestError for data read from a store."""
+        try:
+            return cls._from_dict(d)
+        except (Invalid, ValueError) as exc:
+            raise ManifestError(f"invalid reference in {key!r}: {exc}", key=key) from None
+
+    @classmethod
+    def _from_dict(cls, d: Any) -> Reference:
+        dict_field(d, "reference")
+        check_fields(d, ("key", "size", "version", "crc32c", "from", "rank", "name"), (), "reference")
+        origin = dict_field(d["from"], "reference origin")
+        check_fields(origin, ("timeline", "step"), (), "reference origin")
+        # a reference is a shard receipt of its origin: the same checks apply
+        receipt = ShardReceipt._from_dict(
+            {"key": d["key"], "size": d["size"], "version": d["version"], "crc32c": d["crc32c"],
+             "rank": d["rank"], "name": d["name"], "parts": 1}
+        )  # fmt: skip
+        o_timeline = int_field(origin["timeline"], "reference timeline", 0, layout.MAX_TIMELINE)
+        o_step = int_field(origin["step"], "reference step", 0, layout.MAX_STEP)
+        parsed = layout.parse_shard_key(receipt.key)
+        if parsed is None or parsed[0] != o_step or parsed[2:] != (receipt.rank, receipt.name):
+            raise Invalid(
+                f"reference key {receipt.key!r} is not shard {receipt.name!r} of rank {receipt.rank} at step {o_step}"
+            )
+        return cls(
+            receipt.key, receipt.size, receipt.version, receipt.crc32c, o_timeline, o_step, receipt.rank,
+            receipt.name,
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------- manifest
 
 _FIELDS_V1 = (
@@ -215,6 +302,8 @@ _FIELDS_V1 = (
     "progress", "parent", "created_at", "metadata", "checksum",
 )  # fmt: skip
 _FIELDS_V2 = (*_FIELDS_V1, "timeline")
+_FIELDS_V3 = (*_FIELDS_V2, "references")
+_FIELDS = {1: _FIELDS_V1, 2: _FIELDS_V2, 3: _FIELDS_V3}
 
 
 @dataclass(frozen=True)
@@ -248,6 +337,7 @@ class Manifest:
     checksum: str = ""
     timeline: int = 0
     parent_timeline: int | None = None
+    references: tuple[Reference, ...] = ()
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -269,6 +359,7 @@ class Manifest:
         parent_timeline: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         created_at: str | None = None,
+        references: Iterable[Reference] = (),
     ) -> Manifest:
         """A new manifest with its checksum computed; validated exactly as :meth:`decode` does.
 
@@ -300,6 +391,7 @@ class Manifest:
                 "parent": None if parent is None else {"timeline": parent_timeline, "step": parent},
                 "created_at": created_at or utc_now(),
                 "metadata": normalise(metadata, "metadata"),
+                "references": [r.to_dict() for r in sorted(references, key=lambda r: r.identity)],
             }
             body["checksum"] = sha256_of(body)
             return cls._from_obj(body, expected_key=None)
@@ -340,7 +432,26 @@ class Manifest:
 
     @property
     def total_size(self) -> int:
+        """Bytes this checkpoint wrote itself (its own shards)."""
         return sum(s.size for s in self.shards)
+
+    @property
+    def referenced_size(self) -> int:
+        """Bytes of ancestors' objects this checkpoint reuses (whole objects; a shard may read
+        only parts of them)."""
+        return sum(r.size for r in self.references)
+
+    @property
+    def object_keys(self) -> tuple[str, ...]:
+        """Every object this checkpoint needs: its shards, then its references (for GC)."""
+        return tuple(s.key for s in self.shards) + tuple(r.key for r in self.references)
+
+    def reference(self, origin: tuple[int, int], rank: int, name: str) -> Reference:
+        """The reference with this identity. Raises ``KeyError``."""
+        for r in self.references:
+            if r.identity == (*origin, rank, name):
+                return r
+        raise KeyError(f"step {self.label} has no reference to {name!r} of rank {rank} at {origin}")
 
     def shards_of(self, rank: int) -> tuple[ShardReceipt, ...]:
         """The shards written by ``rank``."""
@@ -370,6 +481,8 @@ class Manifest:
             "created_at": self.created_at,
             "metadata": json.loads(canonical_json(self.metadata)),
         }
+        if self.format_version >= 3:
+            out["references"] = [r.to_dict() for r in self.references]
         if self.format_version >= 2:
             out["timeline"] = self.timeline
             out["parent"] = (
@@ -412,7 +525,7 @@ class Manifest:
     @classmethod
     def _from_obj(cls, obj: dict[str, Any], *, expected_key: str | None) -> Manifest:
         version = check_format(obj, FORMAT, READABLE_FORMAT_VERSIONS, "manifest")
-        check_fields(obj, _FIELDS_V1 if version == 1 else _FIELDS_V2, (), "manifest")
+        check_fields(obj, _FIELDS[version], (), "manifest")
         step = int_field(obj["step"], "step", 0, layout.MAX_STEP)
         timeline = 0 if version == 1 else int_field(obj["timeline"], "timeline", 0, layout.MAX_TIMELINE)
         try:
@@ -474,6 +587,7 @@ class Manifest:
             metadata=obj["metadata"],
             checksum=checksum,
             timeline=timeline,
+            references=_references(obj.get("references", []), (timeline, step), prefix),
             format_version=version,
         )
 
@@ -496,3 +610,25 @@ def _parent(value: Any, version: int, timeline: int, step: int) -> tuple[int | N
     if p_timeline > timeline:
         raise Invalid(f"parent timeline {p_timeline} is newer than this manifest's timeline {timeline}")
     return p_step, p_timeline
+
+
+def _references(raw: Any, own: tuple[int, int], own_prefix: str) -> tuple[Reference, ...]:
+    if not isinstance(raw, list):
+        raise Invalid("references must be a JSON array")
+    out: list[Reference] = []
+    seen: set[tuple[int, int, int, str]] = set()
+    for i, item in enumerate(raw):
+        try:
+            ref = Reference._from_dict(item)
+        except (Invalid, ValueError) as exc:
+            raise Invalid(f"reference #{i}: {exc}") from None
+        layout.validate_key_in_root(ref.key)
+        if ref.key.startswith(own_prefix):
+            raise Invalid(f"reference {ref.key!r} lies in this checkpoint's own attempt: it is a shard, not a reference")
+        if ref.origin >= own:
+            raise Invalid(f"reference {ref.key!r} names checkpoint {ref.origin}, not older than {own}")
+        if ref.identity in seen:
+            raise Invalid(f"reference {ref.key!r} is listed twice")
+        seen.add(ref.identity)
+        out.append(ref)
+    return tuple(out)

@@ -33,7 +33,7 @@ from .errors import (
     is_damage,
 )
 from .history import Head, History, Line
-from .manifest import MAX_MANIFEST_BYTES, Manifest, Pointer, ShardReceipt
+from .manifest import MAX_MANIFEST_BYTES, Manifest, Pointer, Reference, ShardReceipt
 from .store.base import Store
 
 __all__ = ["Problem", "Reader", "agree_on_step"]
@@ -277,7 +277,7 @@ class Reader:
 
     # ------------------------------------------------------------------ shards
 
-    def read_shard(self, receipt: ShardReceipt) -> bytes:
+    def read_shard(self, receipt: ShardReceipt | Reference) -> bytes:
         """A shard's bytes, verified against its receipt's size and CRC32C.
 
         Raises:
@@ -286,7 +286,7 @@ class Reader:
         """
         return b"".join(self.open_shard(receipt))
 
-    def open_shard(self, receipt: ShardReceipt) -> Iterator[bytes]:
+    def open_shard(self, receipt: ShardReceipt | Reference) -> Iterator[bytes]:
         """Stream a shard; the final ``next()`` raises :class:`ChecksumMismatchError` on a size or
         CRC32C mismatch, so consumers must not commit to the data before exhausting it."""
         layout.validate_key_in_root(receipt.key)
@@ -302,7 +302,7 @@ class Reader:
                 it is not reported as a problem.
         """
 
-        def one(r: ShardReceipt) -> Problem | None:
+        def one(r: ShardReceipt | Reference) -> Problem | None:
             try:
                 meta = self.store.head(r.key)
             except Exception as exc:
@@ -323,7 +323,8 @@ class Reader:
                 )
             return None
 
-        shards = list(manifest.shards)
+        # references are checked like shards: they are part of what this checkpoint needs
+        shards = list(manifest.shards) + list(manifest.references)  # type: ignore[arg-type]
         if len(shards) <= 1:
             results = [one(r) for r in shards]
         else:
@@ -345,7 +346,7 @@ class Reader:
         """
         problems = self.check(manifest)
         bad = {p.key for p in problems}
-        for r in manifest.shards:
+        for r in (*manifest.shards, *manifest.references):
             if r.key in bad:
                 continue
             try:

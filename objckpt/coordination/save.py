@@ -44,7 +44,7 @@ from ..errors import (
     with_rank,
 )
 from ..gc import DEFAULT_GRACE_PERIOD, RetentionPolicy, retain
-from ..manifest import Manifest, ShardReceipt, run_identity
+from ..manifest import Manifest, Reference, ShardReceipt, run_identity
 from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store.base import Store
@@ -83,6 +83,8 @@ class SaveTicket:
     errors: list[str] = field(default_factory=list)
     started: float = 0.0
     abandoned: bool = False
+    #: objects of ancestors this rank's shards reuse instead of rewriting (deduplication)
+    references: list[Reference] = field(default_factory=list)
 
     def fail(self, exc: BaseException | str) -> None:
         """Record that this rank could not write its part; :meth:`SaveSession.finish` reports
@@ -314,6 +316,8 @@ class SaveSession:
             mine["error"] = "; ".join(ticket.errors)
         else:
             mine["receipts"] = [r.to_dict() for r in ticket.receipts]
+            if ticket.references:
+                mine["references"] = [r.to_dict() for r in ticket.references]
         what = f"{self.label}(step={step})"
         reports = comm.gather(mine, f"{what} receipts")
         outcome: dict[str, Any] = {}
@@ -406,6 +410,7 @@ class SaveSession:
                 {r: "abandoned (close(abandon=True))" for r in abandoned},
             )
         receipts: dict[int, Any] = {}
+        references: dict[int, list[Reference]] = {}
         for rank, rep in enumerate(reports):
             if rep.get("error"):
                 receipts[rank] = str(rep["error"])
@@ -413,6 +418,9 @@ class SaveSession:
             try:
                 receipts[rank] = [
                     ShardReceipt.from_dict(d, key=f"rank {rank} receipt") for d in rep.get("receipts", [])
+                ]
+                references[rank] = [
+                    Reference.from_dict(d, key=f"rank {rank} reference") for d in rep.get("references", [])
                 ]
             except ManifestError as exc:
                 receipts[rank] = f"sent an invalid receipt: {exc}"
@@ -431,6 +439,7 @@ class SaveSession:
                 metadata=metadata,
                 timeline=timeline,
                 after=after,
+                references=references,
             )
             lineage.record(self.store, lineage.Position(manifest, manifest.timeline))
             return manifest
