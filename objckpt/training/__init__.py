@@ -13,6 +13,8 @@ _EXPORTS = {
     "CheckpointManager": "objckpt.training.manager",
     "hash_config": "objckpt.training.manager",
     "ResumableDistributedSampler": "objckpt.training.sampler",
+    "ResumableDataLoader": "objckpt.training.data",
+    "RestoreReport": "objckpt.training.state",
     "TrainingProgress": "objckpt.training.state",
     "TrainingStateError": "objckpt.training.state",
     "SerializationError": "objckpt.training.serialization",

@@ -50,7 +50,7 @@ from . import shards
 from .background import BackgroundSaver
 from .dist import make_comm
 from .staging import SaveHandle, StagingArea
-from .state import apply_state, classify
+from .state import RestoreReport, classify
 
 __all__ = [
     "CheckpointManager",
@@ -202,6 +202,8 @@ class CheckpointManager:
         self.fallbacks: list[tuple[int, str]] = []
         #: bytes written by this rank and seconds taken by the last save
         self.last_save: dict[str, Any] = {}
+        #: what the last restore loaded on this rank (missing/unexpected keys, elastic mapping)
+        self.last_restore: RestoreReport | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -360,7 +362,9 @@ class CheckpointManager:
         handle = self._background.last
         return None if handle is None else handle.wait()
 
-    def restore(self, state: Mapping[str, Any], *, step: int | None = None) -> int | None:
+    def restore(
+        self, state: Mapping[str, Any], *, step: int | None = None, strict: bool = True
+    ) -> int | None:
         """Load the newest usable checkpoint (or ``step``) into ``state``; every rank calls it.
 
         Rank 0 resolves the newest committed checkpoint and sends its manifest to the others.
@@ -373,12 +377,21 @@ class CheckpointManager:
 
         Returns the restored step, or None when the run root holds no checkpoint (nothing is
         modified then). An in-flight :meth:`save_async` is waited for first (its error, if any,
-        is left for the next save or close to raise).
+        is left for the next save or close to raise). What was loaded is in
+        :attr:`last_restore` (a :class:`~objckpt.training.state.RestoreReport`).
+
+        Any subset of the saved entries may be restored (``{"model": model}`` to evaluate), at
+        any world size: replicated state bit for bit, per-rank state by the elastic rule of
+        :mod:`.shards` (``docs/ELASTIC.md``). A checkpoint written through DCP restores its
+        modules into plain modules through DCP's resharding. ``strict=False`` loads the keys a
+        module and the checkpoint both have and leaves entries the checkpoint lacks untouched,
+        reporting both (:attr:`last_restore`, and a warning in the log).
 
         Raises (identically on every rank):
             NoCheckpointError: checkpoints exist but none is usable, or ``step`` is not usable.
-            TrainingStateError: the checkpoint does not fit ``state`` (names, tensor shapes,
-                optimizer groups, world size): no object was modified.
+            TrainingStateError: the checkpoint does not fit ``state`` (names and keys with
+                ``strict``, tensor shapes, optimizer groups, a sampler or loader that cannot be
+                re-partitioned for this world size): no object was modified.
             DistributedError: ranks asked for different steps, see different run roots, or
                 did not all call restore within the timeout.
             StoreError: the store could not be read (after the retry budget).
@@ -393,11 +406,13 @@ class CheckpointManager:
             prep_error = exc
 
         def stage(manifest: Manifest) -> shards.Staged:
-            return shards.stage(self.reader, manifest, state, rank=self.rank, world_size=self.world_size)
+            return shards.stage(
+                self.reader, manifest, state, rank=self.rank, world_size=self.world_size, strict=strict
+            )
 
         def apply(manifest: Manifest, staged: shards.Staged) -> None:
             self._check_identity(manifest)
-            apply_state(state, staged.items, rng=staged.rng)
+            self.last_restore = shards.apply(state, staged, rank=self.rank)
 
         restored = self._restores.restore(stage, apply, step=step, error=prep_error)
         if restored is None:

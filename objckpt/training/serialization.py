@@ -17,10 +17,20 @@ Python ``list``; every other node is a one-key object whose key says what it is:
     {"M": [[k, v], ...]}  dict, any keys      {"t": i}  torch tensor i     {"a": i}  numpy array i
     {"s": i}              numpy scalar i      {"b": "<base64>"}  bytes     {"dt": "bfloat16"}
     {"dev": "cuda:0"}     torch.device        {"r": i}  TensorRef(i), a tensor stored elsewhere
+    {"w": [i, dtype, shape, stride, offset]}  ViewRef: a view into tensor i of a table (version 2)
 
 An array entry is ``{"kind": "torch"|"numpy", "dtype": name, "shape": [...], "offset": o,
 "nbytes": n}``; the bytes are the tensor's memory in C order, so every dtype (bfloat16, float8,
 complex, bool, NaN payloads) round-trips bit for bit.
+
+Storage sharing: :func:`encode` writes a tensor object reachable twice once (identity). Tensors
+that are *different objects over one storage* (tied weights in ``nn.Module.state_dict()``, whose
+every entry is a fresh ``detach()``; views into one buffer) are found by
+:func:`objckpt.training.replicated.split_tensors`, which puts one tensor per storage in a table
+and writes the others as :class:`ViewRef` s into it; :func:`make_view` rebuilds them as views of
+the decoded tensor, so the sharing survives the round trip. A shard holding a ``ViewRef`` is
+written as format version 2 (an older objckpt refuses it by version rather than by an unknown
+node); every other shard stays version 1.
 
 Writing streams straight from tensor memory: :func:`encode` returns the header and an iterator of
 ``memoryview`` s over the tensors (zero-copy for contiguous CPU tensors; a non-contiguous or
@@ -58,17 +68,22 @@ __all__ = [
     "SerializationError",
     "TensorRef",
     "UnsupportedStateError",
+    "ViewRef",
     "decode",
     "decode_stream",
     "dumps",
     "encode",
     "loads",
+    "make_view",
     "validate",
 ]
 
 MAGIC = b"OBJCKPT\x00"
 FORMAT_NAME = "objckpt-state"
 FORMAT_VERSION = 1
+#: the version of a shard that holds a ViewRef (readers accept both)
+VIEWS_FORMAT_VERSION = 2
+_READABLE_VERSIONS = (FORMAT_VERSION, VIEWS_FORMAT_VERSION)
 ALIGN = 64
 #: a header larger than this is refused before it is parsed (hostile input)
 MAX_HEADER_BYTES = 256 * 1024 * 1024
@@ -116,6 +131,47 @@ class TensorRef:
     keeps); written as ``{"r": i}`` and decoded back to a ``TensorRef``."""
 
     index: int
+
+
+@dataclass(frozen=True)
+class ViewRef:
+    """A tensor that is a view into tensor ``index`` of a table the caller keeps (another tensor
+    over the same storage): ``dtype``, ``shape`` and ``stride`` (in elements) of the view, which
+    starts ``offset`` bytes after the first byte of that tensor. Written as ``{"w": [...]}``;
+    :func:`make_view` turns it back into a view."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def make_view(base: Any, ref: ViewRef) -> torch.Tensor:
+    """The view ``ref`` describes, into the storage of the (contiguous) tensor ``base``.
+
+    Raises:
+        SerializationError: the view would reach outside ``base`` or is misaligned (a damaged or
+            hostile shard: nothing outside ``base`` is ever read).
+    """
+    if not isinstance(base, torch.Tensor) or not base.is_contiguous():
+        raise _fail(f"view {ref.index} refers to a {type(base).__name__} that is not a contiguous tensor")
+    item = _itemsize(ref.dtype)
+    start = base.storage_offset() * base.element_size() + ref.offset
+    if start % item:
+        raise _fail(f"view of tensor {ref.index} starts at byte {start}, not a multiple of {item}")
+    if math.prod(ref.shape):
+        end = ref.offset + (sum((n - 1) * st for n, st in zip(ref.shape, ref.stride, strict=True)) + 1) * item
+        if end > base.numel() * base.element_size():
+            raise _fail(
+                f"view of tensor {ref.index} reaches byte {end}, past its {base.numel() * base.element_size()}"
+            )
+    out = torch.empty(0, dtype=ref.dtype, device=base.device)
+    return out.set_(base.untyped_storage(), start // item, ref.shape, ref.stride)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # ---------------------------------------------------------------------------------- encoding
@@ -195,6 +251,7 @@ class _Encoder:
         # identity dedup: a tensor object reachable twice (tied weights) is written once; the
         # object is kept referenced by `arrays`, so its id cannot be reused meanwhile
         self.seen: dict[int, int] = {}
+        self.views = False  # a ViewRef was written: the shard is format version 2
 
     def _path_str(self, path: tuple[Any, ...]) -> str:
         return self.path_root + "".join(f"[{p!r}]" for p in path[self.strip :])
@@ -253,6 +310,19 @@ class _Encoder:
             return {"dev": str(obj)}
         if isinstance(obj, TensorRef):
             return {"r": int(obj.index)}
+        if isinstance(obj, ViewRef):
+            if obj.dtype not in _DTYPE_NAMES:
+                raise UnsupportedStateError(f"{self._path_str(path)}: dtype {obj.dtype} is not supported")
+            self.views = True
+            return {
+                "w": [
+                    int(obj.index),
+                    _DTYPE_NAMES[obj.dtype],
+                    [int(n) for n in obj.shape],
+                    [int(n) for n in obj.stride],
+                    int(obj.offset),
+                ]
+            }
         raise UnsupportedStateError(
             f"{self._path_str(path)}: cannot serialize a {type(obj).__module__}.{type(obj).__qualname__} "
             "(supported: None, bool, int, float, str, bytes, list, tuple, dict, torch.Tensor, "
@@ -302,7 +372,7 @@ def encode(obj: Any, *, path_root: str = "state", strip: int = 0) -> EncodedStat
     data_size = _align(enc.offset) if enc.arrays else 0
     header = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": VIEWS_FORMAT_VERSION if enc.views else FORMAT_VERSION,
         "tree": tree,
         "arrays": entries,
         "data_size": data_size,
@@ -355,9 +425,10 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
         raise _fail("header is not a JSON object")
     if header.get("format") != FORMAT_NAME:
         raise _fail(f"unknown format {header.get('format')!r}")
-    if header.get("version") != FORMAT_VERSION:
+    if header.get("version") not in _READABLE_VERSIONS:
         raise _fail(
-            f"unsupported format version {header.get('version')!r} (this objckpt reads {FORMAT_VERSION})"
+            f"unsupported format version {header.get('version')!r} (this objckpt reads "
+            f"{', '.join(map(str, _READABLE_VERSIONS))})"
         )
     for field in ("tree", "arrays", "data_size"):
         if field not in header:
@@ -417,8 +488,9 @@ def _dest_view(arr: Any) -> memoryview:
 
 
 class _Decoder:
-    def __init__(self, arrays: list[Any]) -> None:
+    def __init__(self, arrays: list[Any], version: int = FORMAT_VERSION) -> None:
         self.arrays = arrays
+        self.version = version
 
     def _index(self, v: Any, what: str) -> Any:
         if not _is_int(v) or not 0 <= v < len(self.arrays):
@@ -503,7 +575,26 @@ class _Decoder:
             if not _is_int(v) or v < 0:
                 raise _fail(f"bad tensor reference {v!r}")
             return TensorRef(v)
+        if tag == "w" and self.version >= VIEWS_FORMAT_VERSION:
+            return _view_ref(v)
         raise _fail(f"unknown node tag {tag!r}")
+
+
+def _view_ref(v: Any) -> ViewRef:
+    if not isinstance(v, list) or len(v) != 5:
+        raise _fail(f"bad view node {str(v)[:80]!r}")
+    index, dtype, shape, stride, offset = v
+
+    def ints(xs: Any) -> bool:
+        return isinstance(xs, list) and len(xs) <= 64 and all(_is_int(x) and x >= 0 for x in xs)
+
+    if not (_is_int(index) and index >= 0 and _is_int(offset) and offset >= 0):
+        raise _fail(f"bad view node {str(v)[:80]!r}")
+    if dtype not in _TORCH_DTYPES:
+        raise _fail(f"view dtype {dtype!r} is not allowed")
+    if not (ints(shape) and ints(stride) and len(shape) == len(stride)):
+        raise _fail(f"bad view shape/stride {shape!r}/{stride!r}")
+    return ViewRef(index, _TORCH_DTYPES[dtype], tuple(shape), tuple(stride), offset)
 
 
 def decode_stream(chunks: Iterable[bytes], *, total_size: int | None = None) -> Any:
@@ -595,7 +686,7 @@ def decode_stream(chunks: Iterable[bytes], *, total_size: int | None = None) -> 
     if ti < len(targets) or pos != expected:
         raise _fail(f"truncated: ended at byte {pos} of {expected}")
     # the tree last: numpy scalars are read out of their (now filled) arrays
-    return _Decoder(arrays).node(header["tree"], 0)
+    return _Decoder(arrays, header["version"]).node(header["tree"], 0)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Any:

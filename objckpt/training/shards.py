@@ -5,14 +5,32 @@ Shards of one save (``data/<step>-<attempt>/<rank>/``):
 * ``replicated.bin`` -- this rank's part of the replicated state (see :mod:`.replicated`);
   rank 0's also holds the structure.
 * ``rank.bin`` -- everything per rank: the global RNG states (Python, NumPy, torch CPU, CUDA),
-  random generators, samplers, schedulers, progress, dicts.
+  random generators, samplers, schedulers, progress, dicts. Its tensors are in a table of their
+  own (``{"items": <structure>, "tensors": [...], "rng": ...}``), one entry per storage, as in
+  :mod:`.replicated`, so views into one buffer keep sharing it.
 
 Both are the pickle-free container of :mod:`.serialization`, streamed straight from tensor
 memory (or from the staged copies of an asynchronous save).
+
+Restoring at another world size (the elastic rule, :func:`stage`):
+
+* replicated state (modules, optimizers by default) is joined from every saved rank's
+  ``replicated.bin`` at any world size, bit for bit;
+* per-rank objects that can re-partition themselves (``reshard_state(states, *, num_replicas,
+  rank)``: :class:`~objckpt.training.sampler.ResumableDistributedSampler`,
+  :class:`~objckpt.training.data.ResumableDataLoader`) get a state computed from every saved
+  rank's: the samples consumed in the epoch are removed, the rest is split across the new ranks;
+* other samplers and data loaders (e.g. torchdata's ``StatefulDataLoader``) are refused: their
+  position means nothing at another world size;
+* everything else per rank (schedulers, progress, scalers, dicts, ...): a rank that existed in
+  the saved job keeps its own; a new rank (``rank >= saved world size``) gets rank 0's;
+* random generators and the global RNG: a rank that existed keeps its own; a new rank gets
+  fresh ones seeded from rank 0's saved state, the step and its rank (deterministic).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -27,16 +45,24 @@ from ..manifest import Manifest, ShardReceipt
 from ..reader import Reader
 from ..writer import ShardWriter
 from . import replicated, serialization
+from .data import check_data_position
 from .state import (
     MODULE,
     OPTIMIZER,
+    RNG,
+    RestoreReport,
+    apply_state,
     capture_global_rng,
     capture_item,
     check_restorable,
     check_step_boundary,
     classify,
+    derive_global_rng,
+    derive_rng_item,
     progress_of,
 )
+
+log = logging.getLogger("objckpt.training")
 
 __all__ = [
     "RANK_SHARD",
@@ -44,6 +70,8 @@ __all__ = [
     "STATE_LAYOUT",
     "Abandoned",
     "Capture",
+    "Staged",
+    "apply",
     "capture",
     "stage",
     "write",
@@ -90,13 +118,18 @@ def capture(
 ) -> Capture:
     """Capture references to ``state`` for a save; nothing is copied, nothing is written.
 
+    Tensors sharing a storage (tied weights, views) are laid out once (see
+    :func:`.replicated.split_tensors`), in both shards.
+
     Raises:
-        TrainingStateError: not at an optimizer-step boundary, or an unsupported value.
+        TrainingStateError: not at an optimizer-step boundary, a sampler whose position counts
+            prefetched samples (:func:`.data.check_data_position`), or an unsupported value.
         UnsupportedStateError: a value inside a state dict cannot be serialised (named).
         ValueError: an invalid step.
     """
     layout.check_step(step)
     check_step_boundary(state)
+    check_data_position(state, step=step, rank=rank)
     kinds = {name: classify(name, obj) for name, obj in state.items()}
     if replicated_names is None:
         rep_names = [n for n in state if kinds[n] in (MODULE, OPTIMIZER)]
@@ -119,12 +152,14 @@ def capture(
             rep_tree["skeleton"] = skeleton
             rep_tree["count"] = len(tensors)
     progress = progress_of(state)
+    local_tensors: list[torch.Tensor] = []
+    local_skeleton = replicated.split_tensors(local, local_tensors)
     return Capture(
         step=step,
         replicated_names=rep_names,
         local_names=[n for n in state if n not in rep_names],
         replicated_tree=rep_tree,
-        local_tree={"items": local, "rng": capture_global_rng()},
+        local_tree={"items": local_skeleton, "tensors": local_tensors, "rng": capture_global_rng()},
         digests=digests,
         progress=progress.summary() if progress is not None else {"global_step": step},
     )
@@ -172,38 +207,70 @@ class Staged:
 
     items: dict[str, Any]
     rng: Any
+    report: RestoreReport = field(default_factory=RestoreReport)
+    strict: bool = True
 
 
 def stage(
-    reader: Reader, manifest: Manifest, state: Mapping[str, Any], *, rank: int, world_size: int
+    reader: Reader,
+    manifest: Manifest,
+    state: Mapping[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    strict: bool = True,
 ) -> Staged:
     """Download, verify, decode and check this rank's part of ``manifest``; modifies nothing.
+
+    At the saved world size every rank reads its own ``rank.bin``. At another world size the
+    per-rank state follows the elastic rule of this module's docstring: a rank reads its own
+    ``rank.bin`` if it existed (rank 0's if not), or every rank's when ``state`` holds an object
+    that re-partitions itself. Every rank reads every ``replicated.bin`` it needs, at any world
+    size. A checkpoint written through DCP (:mod:`.dcp`) is loaded through DCP's resharding
+    (modules only, see :mod:`.dcp_bridge`).
+
+    ``strict=False``: see :func:`.state.check_restorable`; what was not loaded is in the
+    returned ``report``.
 
     Raises:
         IntegrityError (ChecksumMismatchError, ManifestError, SerializationError), NotFoundError:
             the checkpoint is damaged (the restore session falls back).
-        TrainingStateError: the checkpoint does not fit ``state`` (not a CheckpointManager
-            checkpoint, another world size, other names or shapes): fatal, no fallback.
+        TrainingStateError: the checkpoint does not fit ``state`` (not an objckpt checkpoint,
+            other names or shapes, a sampler or loader that cannot be re-partitioned for this
+            world size): fatal, no fallback. The message names the step, the rank and the key.
     """
     topo = manifest.topology
+    if topo.get("layout") != STATE_LAYOUT and isinstance(manifest.metadata.get("dcp"), Mapping):
+        from .dcp_bridge import stage_dcp
+
+        items, report = stage_dcp(reader.store, manifest, state, rank=rank, strict=strict)
+        report.step, report.saved_world_size, report.world_size = (
+            manifest.step,
+            manifest.world_size,
+            world_size,
+        )
+        return Staged(items, None, report, strict)
     if topo.get("layout") != STATE_LAYOUT:
         raise TrainingStateError(
             f"checkpoint step {manifest.step} was not written by CheckpointManager (layout "
             f"{topo.get('layout')!r}); use the API that wrote it"
         )
-    if manifest.world_size != world_size:
-        raise TrainingStateError(
-            f"checkpoint step {manifest.step} was written by {manifest.world_size} rank(s), this job has "
-            f"{world_size}: per-rank state (RNG, samplers) cannot be mapped"
-        )
+    saved_world = manifest.world_size
+    elastic = saved_world != world_size
     rep_names = list(topo.get("replicated", []))
     wanted_rep = [n for n in state if n in rep_names]
+    local_names = [n for n in state if n not in rep_names]
+    reshardable = [n for n in local_names if callable(getattr(state[n], "reshard_state", None))]
+    if elastic:
+        _refuse_positions(state, local_names, reshardable, manifest.step, saved_world, world_size, rank)
+    mine = rank if rank < saved_world else 0
+    ranks = list(range(saved_world)) if elastic and reshardable else [mine]
     try:
-        rank_receipt = manifest.shard(rank, RANK_SHARD)
+        rank_receipts = [manifest.shard(r, RANK_SHARD) for r in ranks]
     except KeyError as exc:
         raise ManifestError(str(exc), key=manifest.key) from exc
     rep_receipts = [s for s in manifest.shards if s.name == REPLICATED_SHARD] if wanted_rep else []
-    receipts = [rank_receipt, *rep_receipts]
+    receipts = [*rank_receipts, *rep_receipts]
 
     def read(receipt: ShardReceipt) -> Any:
         try:
@@ -213,13 +280,132 @@ def stage(
 
     with ThreadPoolExecutor(min(8, len(receipts)), thread_name_prefix="objckpt-restore") as pool:
         decoded = list(pool.map(read, receipts))
-    local = decoded[0]
-    if not isinstance(local, Mapping) or not isinstance(local.get("items"), Mapping):
-        raise ManifestError(
-            f"{rank_receipt.key}: the per-rank shard holds no item table", key=rank_receipt.key
+    per_rank = {
+        r: _local_items(d, receipt) for r, d, receipt in zip(ranks, decoded, rank_receipts, strict=False)
+    }
+    mine_items, rng = per_rank[mine]
+    items = dict(mine_items)
+    report = RestoreReport(step=manifest.step, saved_world_size=saved_world, world_size=world_size)
+    if elastic:
+        report.per_rank = _elastic(
+            state, items, per_rank, reshardable, manifest.step, rank, saved_world, world_size
         )
-    items: dict[str, Any] = dict(local["items"])
+        if rank >= saved_world:
+            for name in local_names:
+                if name in items and classify(name, state[name]) == RNG:
+                    items[name] = derive_rng_item(
+                        name, state[name], items[name], rank=rank, step=manifest.step
+                    )
+            if rng is not None:
+                rng = derive_global_rng(rng, rank=rank, step=manifest.step)
     if wanted_rep:
-        items.update(replicated.join(decoded[1:], wanted_rep))
-    check_restorable(state, items, rng=local.get("rng"))
-    return Staged(items, local.get("rng"))
+        items.update(replicated.join(decoded[len(rank_receipts) :], wanted_rep))
+    checked = check_restorable(state, items, rng=rng, strict=strict)
+    report.missing_keys, report.unexpected_keys = checked.missing_keys, checked.unexpected_keys
+    report.missing_entries = checked.missing_entries
+    return Staged(items, rng, report, strict)
+
+
+def _local_items(decoded: Any, receipt: ShardReceipt) -> tuple[Mapping[str, Any], Any]:
+    """A decoded ``rank.bin``: (items with their tensors resolved, global RNG record)."""
+    if not isinstance(decoded, Mapping) or not isinstance(decoded.get("items"), Mapping):
+        raise ManifestError(f"{receipt.key}: the per-rank shard holds no item table", key=receipt.key)
+    items = decoded["items"]
+    if "tensors" in decoded:  # written since per-rank tensors have a table (older shards: inline)
+        tensors = decoded["tensors"]
+        if not isinstance(tensors, list):
+            raise ManifestError(
+                f"{receipt.key}: the per-rank shard has a malformed tensor table", key=receipt.key
+            )
+        try:
+            items = replicated.resolve(items, tensors)
+        except (ManifestError, SerializationError) as exc:
+            raise ManifestError(f"{receipt.key}: {exc}", key=receipt.key) from exc
+    return items, decoded.get("rng")
+
+
+def _refuse_positions(
+    state: Mapping[str, Any],
+    local_names: list[str],
+    reshardable: list[str],
+    step: int,
+    saved_world: int,
+    world_size: int,
+    rank: int,
+) -> None:
+    from torch.utils.data import DataLoader, Sampler
+
+    for name in local_names:
+        obj = state[name]
+        if name not in reshardable and isinstance(obj, (DataLoader, Sampler)):
+            raise TrainingStateError(
+                f"cannot restore checkpoint step {step} (written by {saved_world} rank(s)) on rank {rank} of "
+                f"{world_size}: state[{name!r}] is a {type(obj).__qualname__}, whose position cannot be "
+                "re-partitioned across world sizes (it would repeat or skip samples). Use "
+                "objckpt.training.ResumableDataLoader / ResumableDistributedSampler, or restore at "
+                f"{saved_world} rank(s)"
+            )
+
+
+def _elastic(
+    state: Mapping[str, Any],
+    items: dict[str, Any],
+    per_rank: Mapping[int, tuple[Mapping[str, Any], Any]],
+    reshardable: list[str],
+    step: int,
+    rank: int,
+    saved_world: int,
+    world_size: int,
+) -> str:
+    """Apply the elastic rule to ``items`` (this rank's per-rank items); returns how."""
+    for name in reshardable:
+        states = [per_rank[r][0].get(name) for r in range(saved_world)]
+        absent = [r for r, s in enumerate(states) if s is None]
+        if absent:
+            if len(absent) == saved_world:
+                continue  # not in the checkpoint at all: check_restorable reports it
+            raise ManifestError(
+                f"checkpoint step {step}: state[{name!r}] is missing from the shards of ranks {absent}"
+            )
+        try:
+            items[name] = state[name].reshard_state(states, num_replicas=world_size, rank=rank)
+        except TrainingStateError as exc:
+            raise TrainingStateError(
+                f"cannot re-partition state[{name!r}] of checkpoint step {step} from {saved_world} to "
+                f"{world_size} rank(s) (rank {rank}): {exc}"
+            ) from exc
+    how = f"step {step} was written by {saved_world} rank(s), restored by {world_size}: "
+    if rank < saved_world:
+        how += f"rank {rank} keeps its own per-rank state and RNG"
+    else:
+        how += f"rank {rank} is new: per-rank state from rank 0, generators and RNG seeded from rank 0's and the rank"
+    if reshardable:
+        how += f"; {reshardable} re-partitioned from every rank's consumed samples"
+    return how
+
+
+def apply(state: Mapping[str, Any], staged: Staged, *, rank: int) -> RestoreReport:
+    """Load what :func:`stage` checked into ``state`` (RNG last); log what was not loaded or how
+    per-rank state was mapped. Returns the report.
+
+    Raises:
+        TrainingStateError, or an object's own ``load_state_dict`` error.
+    """
+    apply_state(state, staged.items, rng=staged.rng, strict=staged.strict)
+    report = staged.report
+    if report.per_rank is not None:
+        if rank == 0:
+            log.warning(
+                "restoring checkpoint step %s, written by %s rank(s), on %s: replicated state is exact, "
+                "per-rank state follows the elastic rule (docs/ELASTIC.md); the run continues without "
+                "repeating or skipping samples but is not bitwise the run an unchanged world would have made",
+                report.step,
+                report.saved_world_size,
+                report.world_size,
+            )
+        log.info("rank %d: %s", rank, report.per_rank)
+    if not report.complete:
+        log.warning(
+            "rank %d restored checkpoint step %s with strict=False: %s", rank, report.step, report.describe()
+        )
+    return report

@@ -17,10 +17,18 @@ Restoring is staged: :func:`check_restorable` validates a decoded checkpoint aga
 objects (names, tensor shapes, optimizer groups) before anything is modified, then
 :func:`apply_state` loads modules, optimizers, other stateful objects, dicts, progress, and the
 RNG LAST, because loading any of the others might draw random numbers.
+
+``strict=False`` relaxes exactly two things, and reports both in a :class:`RestoreReport`:
+a module's state-dict keys that only one side has (``missing_keys``: left as they are,
+``unexpected_keys``: ignored), and whole entries of the state the checkpoint holds nothing for
+(``missing_entries``: left untouched). Shapes, optimizer groups and generator kinds are checked
+either way: a mismatch there cannot be loaded meaningfully.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +44,7 @@ except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
 
 __all__ = [
+    "RestoreReport",
     "TrainingProgress",
     "TrainingStateError",
     "apply_state",
@@ -43,8 +52,12 @@ __all__ = [
     "capture_item",
     "check_restorable",
     "classify",
+    "derive_global_rng",
+    "derive_rng_item",
     "restore_global_rng",
 ]
+
+log = logging.getLogger("objckpt.training")
 
 
 @dataclass
@@ -98,6 +111,48 @@ class TrainingProgress:
             k: v for k, v in self.extra.items() if isinstance(v, (int, float, str, bool)) or v is None
         }
         return out
+
+
+@dataclass
+class RestoreReport:
+    """What a restore loaded, for inspection (``CheckpointManager.last_restore``).
+
+    Attributes:
+        step: the checkpoint step restored.
+        saved_world_size: ranks of the job that wrote it; ``world_size``: ranks restoring it.
+        missing_keys: per state entry, the keys of the live module the checkpoint lacks (left
+            as they were; only with ``strict=False``).
+        unexpected_keys: per state entry, the checkpoint's keys the live module lacks (ignored;
+            only with ``strict=False``).
+        missing_entries: state entries the checkpoint holds nothing for (left untouched; only
+            with ``strict=False``).
+        per_rank: how this rank's per-rank state was chosen at another world size (the elastic
+            rule), ``None`` at the same world size.
+    """
+
+    step: int | None = None
+    saved_world_size: int | None = None
+    world_size: int | None = None
+    missing_keys: dict[str, list[str]] = field(default_factory=dict)
+    unexpected_keys: dict[str, list[str]] = field(default_factory=dict)
+    missing_entries: list[str] = field(default_factory=list)
+    per_rank: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """True when every key of every entry was loaded (always so with ``strict=True``)."""
+        return not (self.missing_keys or self.unexpected_keys or self.missing_entries)
+
+    def describe(self) -> str:
+        parts = [f"{n}: {len(k)} missing key(s) {_head(k)}" for n, k in self.missing_keys.items()]
+        parts += [f"{n}: {len(k)} unexpected key(s) {_head(k)}" for n, k in self.unexpected_keys.items()]
+        if self.missing_entries:
+            parts.append(f"entries not in the checkpoint (left untouched): {self.missing_entries}")
+        return "; ".join(parts) or "everything loaded"
+
+
+def _head(keys: list[str], n: int = 10) -> str:
+    return f"{keys[:n]}{'...' if len(keys) > n else ''}"
 
 
 # ---------------------------------------------------------------------------------- kinds
@@ -250,25 +305,89 @@ def _check_global_rng(state: Any) -> None:
         )
 
 
+# ---------------------------------------------------------------------------------- elastic RNG
+
+
+def _seed(*parts: Any) -> int:
+    h = hashlib.sha256(b"objckpt-elastic-rng")
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else repr(p).encode())
+        h.update(b"\x00")
+    return int.from_bytes(h.digest()[:8], "little") & (2**63 - 1)
+
+
+def derive_global_rng(saved: Mapping[str, Any], *, rank: int, step: int) -> dict[str, Any]:
+    """Global RNG states for a rank that did not exist in the job that wrote ``saved`` (rank
+    0's :func:`capture_global_rng` record): seeded from a digest of that record's torch state,
+    the step and ``rank``, so the same restore always gives the same streams and no two new
+    ranks share one. Nothing in this process is changed."""
+    seed = _seed(bytes(saved["torch"].numpy()), step, rank)
+    out: dict[str, Any] = {
+        "python": random.Random(seed).getstate(),
+        "torch": torch.Generator().manual_seed(seed).get_state(),
+    }
+    if np is not None:
+        out["numpy"] = np.random.RandomState(seed % 2**32).get_state(legacy=True)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        out["cuda"] = [
+            torch.Generator(device=f"cuda:{i}").manual_seed(seed + i).get_state()
+            for i in range(torch.cuda.device_count())
+        ]
+    return out
+
+
+def derive_rng_item(name: str, gen: Any, saved: Any, *, rank: int, step: int) -> dict[str, Any]:
+    """The state for the live generator ``gen`` on a rank that did not exist in the job that
+    saved ``saved`` (rank 0's state of ``state[name]``): a fresh generator of ``gen``'s kind,
+    seeded from a digest of ``saved``, ``name``, the step and ``rank``.
+
+    Raises:
+        TrainingStateError: ``saved`` is not a generator state.
+    """
+    if not isinstance(saved, Mapping) or "state" not in saved:
+        raise TrainingStateError(f"state[{name!r}]: the checkpoint holds no generator state")
+    from .serialization import dumps  # the shard codec is a stable byte encoding of the state
+
+    seed = _seed(dumps(saved["state"]), name, step, rank)
+    if isinstance(gen, random.Random):
+        return {"type": "python", "state": random.Random(seed).getstate()}
+    if isinstance(gen, torch.Generator):
+        fresh = torch.Generator(device=gen.device).manual_seed(seed)
+        return {"type": "torch", "device": str(gen.device), "state": fresh.get_state()}
+    return {"type": "numpy", "state": type(gen.bit_generator)(seed).state}
+
+
 # ---------------------------------------------------------------------------------- staging
 
 
-def check_restorable(state: Mapping[str, Any], saved: Mapping[str, Any], *, rng: Any = None) -> None:
+def check_restorable(
+    state: Mapping[str, Any], saved: Mapping[str, Any], *, rng: Any = None, strict: bool = True
+) -> RestoreReport:
     """Validate a decoded checkpoint against the live objects without modifying anything.
 
+    Returns what would not be loaded (empty with ``strict=True``, which raises instead).
+
     Raises:
-        TrainingStateError: a name is missing from the checkpoint or unexpected, a tensor has the
-            wrong shape (the message names the tensor), an optimizer has a different number of
-            parameter groups or parameters, or a generator is of another kind.
+        TrainingStateError: a name is missing from the checkpoint (``strict=True``), a module's
+            keys differ (``strict=True``), a tensor has the wrong shape (the message names the
+            tensor), an optimizer has a different number of parameter groups or parameters, or a
+            generator is of another kind.
     """
-    missing = sorted(set(state) - set(saved))
-    if missing:
-        raise TrainingStateError(f"the checkpoint has no state for {missing} (it holds {sorted(saved)})")
+    report = RestoreReport()
+    missing = [n for n in state if n not in saved]
+    if missing and strict:
+        raise TrainingStateError(
+            f"the checkpoint has no state for {sorted(missing)} (it holds {sorted(saved)}); "
+            "restore(..., strict=False) leaves such entries untouched"
+        )
+    report.missing_entries = missing
     for name, obj in state.items():
+        if name not in saved:
+            continue
         kind = classify(name, obj)
         value = saved[name]
         if kind == MODULE:
-            _check_module(name, unwrap_module(obj), value)
+            _check_module(name, unwrap_module(obj), value, strict=strict, report=report)
         elif kind == OPTIMIZER:
             _check_optimizer(name, obj, value)
         elif kind == RNG:
@@ -280,9 +399,17 @@ def check_restorable(state: Mapping[str, Any], saved: Mapping[str, Any], *, rng:
             )
     if rng is not None:
         _check_global_rng(rng)
+    return report
 
 
-def _check_module(name: str, module: torch.nn.Module, saved: Any) -> None:
+def _check_module(
+    name: str,
+    module: torch.nn.Module,
+    saved: Any,
+    *,
+    strict: bool = True,
+    report: RestoreReport | None = None,
+) -> None:
     if not isinstance(saved, Mapping):
         raise TrainingStateError(
             f"state[{name!r}]: the checkpoint holds a {type(saved).__name__}, not a state dict"
@@ -290,13 +417,19 @@ def _check_module(name: str, module: torch.nn.Module, saved: Any) -> None:
     live = module.state_dict()
     missing = [k for k in live if k not in saved]
     unexpected = [k for k in saved if k not in live]
-    if missing or unexpected:
+    if (missing or unexpected) and strict:
         raise TrainingStateError(
-            f"state[{name!r}] does not match the checkpoint: missing keys {missing[:10]}"
-            f"{'...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
-            f"{'...' if len(unexpected) > 10 else ''}"
+            f"state[{name!r}] does not match the checkpoint: missing keys {_head(missing)}, unexpected "
+            f"keys {_head(unexpected)} (restore(..., strict=False) loads the keys both have)"
         )
+    if report is not None:
+        if missing:
+            report.missing_keys[name] = missing
+        if unexpected:
+            report.unexpected_keys[name] = unexpected
     for key, tensor in live.items():
+        if key not in saved:
+            continue
         value = saved[key]
         if isinstance(tensor, torch.Tensor):
             if not isinstance(value, torch.Tensor):
@@ -358,10 +491,14 @@ def _check_optimizer(name: str, opt: torch.optim.Optimizer, saved: Any) -> None:
                 )
 
 
-def apply_state(state: Mapping[str, Any], saved: Mapping[str, Any], *, rng: Any = None) -> None:
+def apply_state(
+    state: Mapping[str, Any], saved: Mapping[str, Any], *, rng: Any = None, strict: bool = True
+) -> None:
     """Load ``saved`` into the live objects of ``state``; the global RNG (``rng``) last.
 
-    Call :func:`check_restorable` first: this function assumes the checkpoint fits.
+    Call :func:`check_restorable` first (with the same ``strict``): this function assumes the
+    checkpoint fits. With ``strict=False`` entries ``saved`` lacks are skipped and modules are
+    loaded with ``load_state_dict(strict=False)``.
 
     Raises:
         TrainingStateError or the object's own error from ``load_state_dict``; objects loaded
@@ -370,11 +507,11 @@ def apply_state(state: Mapping[str, Any], saved: Mapping[str, Any], *, rng: Any 
     kinds = {name: classify(name, obj) for name, obj in state.items()}
     for kind in _APPLY_ORDER:
         for name, obj in state.items():
-            if kinds[name] != kind:
+            if kinds[name] != kind or name not in saved:
                 continue
             value = saved[name]
             if kind == MODULE:
-                unwrap_module(obj).load_state_dict(value, strict=True)
+                unwrap_module(obj).load_state_dict(value, strict=strict)
             elif kind == RNG:
                 _set_rng_state(name, obj, value)
             elif kind == DICT:

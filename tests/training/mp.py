@@ -37,11 +37,12 @@ def _entry(
 
 
 def run_world(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, daemon: bool = True
 ) -> list[int | None]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one gloo
     group; return their exit codes (negative: killed by that signal). Processes still running
-    after ``timeout`` seconds are killed and the test fails."""
+    after ``timeout`` seconds are killed and the test fails. ``daemon=False`` lets a rank start
+    processes of its own (DataLoader workers)."""
     import tempfile
     import time
 
@@ -52,7 +53,7 @@ def run_world(
     store_dir = tempfile.mkdtemp(prefix="objckpt-world-")
     store_file = os.path.join(store_dir, "rendezvous")
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, store_file, args), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world_size, store_file, args), daemon=daemon)
         for r in range(world_size)
     ]
     for p in procs:
