@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import Union
+from typing import Any, Union
 
 import google_crc32c  # hardware-accelerated C implementation; pure-Python fallback built in
 
 Buffer = Union[bytes, bytearray, memoryview]
 
 
+_buffer_crc32c: Any
 try:  # ICRAR's crc32c reads any buffer in place; google-crc32c's C API takes only bytes
     import crc32c as _buffer_crc32c
 except ImportError:  # pragma: no cover - optional speed-up

@@ -50,7 +50,8 @@ def normalise(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise Invalid(f"{what} must be a mapping, got {type(value).__name__}")
     try:
-        return json.loads(canonical_json(dict(value)))
+        copy: dict[str, Any] = json.loads(canonical_json(dict(value)))
+        return copy
     except (TypeError, ValueError) as exc:
         raise Invalid(f"{what} is not plain JSON data: {exc}") from None
 

@@ -293,11 +293,11 @@ def plan_gc(
         objects = list(store.list(prefix))
         if not objects:
             continue
-        stamps = [o.last_modified for o in objects]
-        if any(t is None for t in stamps):
+        stamps = [o.last_modified for o in objects if o.last_modified is not None]
+        if len(stamps) != len(objects):
             plan.notes.append(f"{prefix}: the store reports no modification times")
             continue
-        newest = max(stamps)  # type: ignore[type-var]
+        newest = max(stamps)
         if newest > cutoff:
             # Possibly the save in progress (or one that just failed): wait out the grace period.
             plan.notes.append(f"{prefix}: unreferenced but written {now - newest} ago (< grace period)")

@@ -369,7 +369,7 @@ def suggest_interval(
     if isinstance(save_seconds, (int, float)) and not isinstance(save_seconds, bool):
         save = float(save_seconds)
     else:
-        measured = [float(s) for s in save_seconds]
+        measured = [float(s) for s in save_seconds]  # type: ignore[union-attr]
         if not measured:
             raise ConfigError("suggest_interval needs at least one measured save time")
         save = statistics.median(measured)

@@ -324,7 +324,7 @@ class Reader:
             return None
 
         # references are checked like shards: they are part of what this checkpoint needs
-        shards = list(manifest.shards) + list(manifest.references)  # type: ignore[arg-type]
+        shards: list[ShardReceipt | Reference] = [*manifest.shards, *manifest.references]
         if len(shards) <= 1:
             results = [one(r) for r in shards]
         else:
@@ -346,7 +346,8 @@ class Reader:
         """
         problems = self.check(manifest)
         bad = {p.key for p in problems}
-        for r in (*manifest.shards, *manifest.references):
+        needed: list[ShardReceipt | Reference] = [*manifest.shards, *manifest.references]
+        for r in needed:
             if r.key in bad:
                 continue
             try:

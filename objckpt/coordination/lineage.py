@@ -54,7 +54,7 @@ _by_object: weakref.WeakKeyDictionary[Store, Position] = weakref.WeakKeyDictiona
 def _target(store: Store) -> tuple[Store | None, str]:
     inner = store
     while getattr(inner, "inner", None) is not None:
-        inner = inner.inner  # wrappers name the same run root as the store they wrap
+        inner = inner.inner  # type: ignore[attr-defined]  # wrappers name the run root they wrap
     location = str(inner.location)
     return (inner if location.startswith("memory://") else None), location
 
