@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -32,6 +32,7 @@ from ._common import (
     run_root,
     split_target,
 )
+from ._latest import resolve_latest
 from ._output import age, emit_json, outputs
 from ._view import RootView
 
@@ -96,8 +97,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
         keep_last=args.keep_last, keep_every=args.keep_every, pinned=pins, keep_abandoned=keep_abandoned
     )
     now = datetime.now(timezone.utc)
+    reader = Reader(store)
+    # plan_gc protects the newest checkpoint that verifies, quarantined or not; what restores
+    # use is the newest *valid* one (quarantined ones skipped): never collect it (pinned here)
+    res = resolve_latest(reader)
+    if res.ref is not None and not policy.is_pinned(res.ref):
+        policy = replace(policy, pinned=policy.pinned | {res.ref})
     plan = gcmod.plan_gc(store, policy, grace_period=grace, now=now)
-    abandoned = abandoned_report(RootView.read(Reader(store)), plan, now)
+    if (
+        res.ref is not None
+        and plan.kept.get(res.ref) == "pinned"
+        and res.ref not in pins
+        and res.step not in pins
+    ):
+        plan.kept[res.ref] = "the newest valid checkpoint (what a restore uses)"
+    abandoned = abandoned_report(RootView.read(reader, head=res.head), plan, now)
     result = None if args.dry_run else gcmod.run_gc(store, plan)
     if args.json:
         payload: dict[str, Any] = {
@@ -277,7 +291,6 @@ def cmd_rm(args: argparse.Namespace) -> int:
     from .. import gc as gcmod
     from ..errors import ManifestError, NoCheckpointError
     from ..reader import Reader
-    from ._latest import resolve_latest
 
     uri, step, timeline = split_target(args.target)
     if step is None:

@@ -443,3 +443,13 @@ def test_gc_pins_a_checkpoint_of_one_timeline(forked):
     plan = run_cli("gc", uri, "--keep-last", "1", "--pin", "t0:30", "--dry-run", "--json").json()["plan"]
     assert [x["label"] for x in plan["delete"]] == ["20"] and plan["kept"]["30"] == "pinned"
     assert run_cli("gc", uri, "--keep-last", "1", "--pin", "t0", "--dry-run").rc == 2
+
+
+def test_gc_never_collects_what_restores_use_when_newer_ones_are_quarantined(committed):
+    uri, store, _ = committed
+    assert run_cli("quarantine", f"{uri}@30").rc == 0
+    plan = run_cli("gc", uri, "--keep-last", "0", "--dry-run", "--json").json()["plan"]
+    assert plan["kept"]["20"] == "the newest valid checkpoint (what a restore uses)"
+    assert [x["label"] for x in plan["delete"]] == ["10"]
+    assert run_cli("gc", uri, "--keep-last", "0").rc == 0
+    assert run_cli("latest", uri).out.strip() == "20"
