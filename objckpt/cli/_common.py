@@ -1,5 +1,11 @@
 """What every command shares: exit codes, the one-line error, secret masking, ``URI@STEP``,
-store options (and which side of a copy they belong to), opening a store."""
+store options (and which side of a copy they belong to), opening a store.
+
+Naming a checkpoint: ``URI@STEP`` is step STEP on the head's line (else on the newest timeline
+holding it), ``URI@tN:STEP`` is step STEP of timeline N exactly, ``URI@latest`` (or no suffix)
+the newest valid checkpoint. Checkpoints are printed the same way (:func:`label`): ``20`` on
+timeline 0, ``t1:20`` on timeline 1.
+"""
 
 from __future__ import annotations
 
@@ -84,17 +90,34 @@ def exit_code_for(exc: BaseException) -> int:
 # ---------------------------------------------------------------------------------- URIs
 
 
-def split_step(target: str) -> tuple[str, int | None]:
-    """``"s3://b/run@20?x=y"`` -> (``"s3://b/run?x=y"``, 20); ``@latest`` or none -> None.
+_STEP_TOKEN = re.compile(r"^(?:[tT](\d+):)?(\d+)$")
 
-    The ``@STEP`` suffix belongs to the path; it may come before or after a query string.
+#: the ``@STEP`` syntax, as ``--help`` and error messages spell it
+TARGET_SYNTAX = (
+    "URI@STEP (the step on the head's line, else the newest timeline holding it), "
+    "URI@tN:STEP (that step on timeline N) or URI@latest"
+)
+
+
+def split_target(target: str) -> tuple[str, int | None, int | None]:
+    """``"s3://b/run@t1:20?x=y"`` -> (``"s3://b/run?x=y"``, 20, 1).
+
+    The suffix names one checkpoint:
+
+    * ``@STEP``: that step on the head's line, else on the newest timeline holding it (an
+      abandoned one): timeline ``None``, resolved by :meth:`objckpt.reader.Reader.locate`;
+    * ``@tN:STEP``: that step on timeline ``N`` (``@t0:20`` is timeline 0's step 20);
+    * ``@latest`` or no suffix: step and timeline ``None`` (the newest valid checkpoint).
+
+    The suffix belongs to the path; it may come before or after a query string.
 
     Raises:
-        CliError: a malformed ``@STEP``.
+        CliError: a malformed suffix (exit 2).
     """
     parts = urlsplit(target)
     path, query = parts.path, parts.query
     step: int | None = None
+    timeline: int | None = None
     m = re.search(r"@([^/@?]*)$", path)
     if m is None and query:
         qm = re.search(r"@([^/@&=]*)$", query)  # tolerate run?opts@20
@@ -105,21 +128,53 @@ def split_step(target: str) -> tuple[str, int | None]:
     if m is not None:
         token = m.group(1)
         if token.lower() != "latest":
-            if not token.isdigit():
+            tm = _STEP_TOKEN.match(token)
+            if tm is None:
                 raise CliError(
-                    f"bad step {token!r} in {redact(target)!r}: use URI@STEP with a "
-                    "non-negative integer step, or URI@latest",
+                    f"bad step {token!r} in {redact(target)!r}: use URI@STEP with a non-negative "
+                    "integer step, URI@tN:STEP for step STEP of timeline N, or URI@latest",
                     EXIT_USAGE,
                 )
-            step = int(token)
+            step = int(tm.group(2))
+            timeline = None if tm.group(1) is None else int(tm.group(1))
+            from .. import layout
+
+            if step > layout.MAX_STEP or (timeline is not None and timeline > layout.MAX_TIMELINE):
+                raise CliError(f"step {token!r} in {redact(target)!r} is out of range", EXIT_USAGE)
     if not parts.scheme and not path and parts.netloc:
         path = ""
-    return urlunsplit((parts.scheme, parts.netloc, path, query, parts.fragment)), step
+    return urlunsplit((parts.scheme, parts.netloc, path, query, parts.fragment)), step, timeline
+
+
+def split_step(target: str) -> tuple[str, int | None]:
+    """``"s3://b/run@20?x=y"`` -> (``"s3://b/run?x=y"``, 20); ``@latest`` or none -> None.
+
+    The two-value form of :func:`split_target`, for callers that take no timeline: a
+    ``@tN:STEP`` suffix is refused (exit 2) rather than silently read as ``@STEP``.
+
+    Raises:
+        CliError: a malformed ``@STEP``, or one naming a timeline.
+    """
+    uri, step, timeline = split_target(target)
+    if timeline is not None:
+        raise CliError(f"{redact(target)!r}: a timeline (@tN:STEP) is not accepted here", EXIT_USAGE)
+    return uri, step
+
+
+def label(ref: tuple[int, int]) -> str:
+    """How the CLI names checkpoint ``(timeline, step)``: ``20`` on timeline 0, else ``t1:20``
+    (the ``@`` suffix that names exactly it)."""
+    return str(ref[1]) if ref[0] == 0 else f"t{ref[0]}:{ref[1]}"
+
+
+def ref_dict(ref: tuple[int, int] | None) -> dict[str, Any] | None:
+    """``{"timeline", "step", "label"}`` for JSON (None stays None)."""
+    return None if ref is None else {"timeline": ref[0], "step": ref[1], "label": label(ref)}
 
 
 def run_root(value: str, command: str, hint: str = "") -> str:
     """The run root of a command that takes no ``@STEP`` (usage error otherwise)."""
-    uri, step = split_step(value)
+    uri, step, _ = split_target(value)
     if step is not None:
         raise CliError(f"{command} takes a run root, not URI@STEP{hint}", EXIT_USAGE)
     return uri

@@ -1,6 +1,9 @@
 """``cp SRC[@STEP] DST``: replicate committed checkpoints to another run root.
 
-Without ``@STEP`` it copies the latest checkpoint as every command means it (the newest valid
+``SRC@STEP`` names a step as everywhere (the head's line, else the newest timeline holding it);
+``SRC@tN:STEP`` is accepted when it is that same checkpoint (:func:`objckpt.replicate.replicate`
+takes a step, not a timeline, so another checkpoint of the step cannot be copied). ``--all``
+copies the head's line, oldest first. The destination commits them on its own timeline 0. Without ``@STEP`` it copies the latest checkpoint as every command means it (the newest valid
 one), saying which damaged ones it passed over. Store options given with ``-o`` apply to each
 side whose scheme accepts them; ``--src-option`` / ``--dst-option`` set one side only.
 """
@@ -10,15 +13,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .. import layout
 from ._common import (
     EXIT_OK,
     EXIT_USAGE,
     CliError,
     display_uri,
+    label,
     open_root,
     parse_options,
     scope_options,
-    split_step,
+    split_target,
 )
 from ._latest import note_skipped, resolve_latest
 from ._output import emit_json, human_bytes, outputs, progress
@@ -29,8 +34,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
     from ..reader import Reader
     from ..replicate import replicate
 
-    src_uri, step = split_step(args.src)
-    dst_uri, dst_step = split_step(args.dst)
+    src_uri, step, timeline = split_target(args.src)
+    dst_uri, dst_step, _ = split_target(args.dst)
     if dst_step is not None:
         raise CliError("the destination is a run root: the step is kept (drop @STEP from DST)", EXIT_USAGE)
     if args.all and step is not None:
@@ -49,7 +54,17 @@ def cmd_cp(args: argparse.Namespace) -> int:
     if args.all:
         steps = reader.steps()
     elif step is not None:
-        steps = [step]
+        if timeline is not None and reader.locate(step) != reader.locate(step, timeline):
+            # objckpt.replicate takes a step and resolves it as SRC@STEP does (the line's,
+            # else the newest timeline's): another checkpoint of that step cannot be named to it
+            named = layout.parse_manifest_key(reader.locate(step))
+            raise CliError(
+                f"cannot copy t{timeline}:{step} from {src_where}: cp copies a step as @{step} names "
+                f"it, and @{step} names {label(named or (0, step))} (roll back to t{timeline}:{step} "
+                "first to make it the line's)",
+                EXIT_USAGE,
+            )
+        steps = [reader.load(step, timeline).step]
     else:
         res = resolve_latest(reader)
         steps = [res.require(src_where).step]

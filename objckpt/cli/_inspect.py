@@ -1,4 +1,4 @@
-"""``ls``, ``show`` and ``latest``: read-only views of one run root."""
+"""``show`` and ``latest``: read-only views of one checkpoint of a run root (``ls``: ``_ls``)."""
 
 from __future__ import annotations
 
@@ -7,127 +7,20 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
-from ._common import EXIT_OK, display_uri, object_url, open_root, redact, run_root, split_step
+from ._common import (
+    EXIT_OK,
+    display_uri,
+    label,
+    object_url,
+    open_root,
+    redact,
+    ref_dict,
+    run_root,
+    split_target,
+)
 from ._latest import note_skipped, resolve_latest
-from ._output import FOLD_COLUMNS, age, emit_json, human_bytes, outputs, warn
-
-
-def cmd_ls(args: argparse.Namespace) -> int:
-    from .. import layout
-    from ..errors import ManifestError, NoCheckpointError
-    from ..reader import Reader
-
-    uri = run_root(args.uri, "ls", " (use 'objckpt show URI@STEP')")
-    store = open_root(uri, args.store_options)
-    reader = Reader(store)
-    now = datetime.now(timezone.utc)
-    rows: list[dict[str, Any]] = []
-    # Manifests: one LIST of manifests/ and one GET per committed step; data/ is never listed.
-    for meta in store.list(layout.MANIFEST_PREFIX):
-        s = layout.step_of_manifest_key(meta.key)
-        if s is None:
-            continue
-        row: dict[str, Any] = {"step": s, "manifest": meta.key, "valid": True, "error": None}
-        try:
-            m = reader.load(s)
-        except (ManifestError, NoCheckpointError) as exc:
-            row.update(valid=False, error=str(exc))
-            rows.append(row)
-            continue
-        age_s, _ = age(m.created_at, now)
-        row.update(
-            attempt=m.attempt,
-            world_size=m.world_size,
-            shards=len(m.shards),
-            bytes=m.total_size,
-            created_at=m.created_at,
-            age_seconds=age_s,
-            parent=m.parent,
-        )
-        rows.append(row)
-    # "latest" as everywhere: the newest valid checkpoint (HEAD-checks shards from the newest
-    # down to it); the damaged ones passed over are marked.
-    res = resolve_latest(reader)
-    pointer = res.pointer
-    damaged = {s.step: s for s in res.skipped if not s.invalid_manifest}
-    for r in rows:
-        r["pointer"] = pointer is not None and pointer.step == r["step"]
-        r["latest"] = r["step"] == res.step
-        r["damaged"] = damaged[r["step"]].reason if r["step"] in damaged else None
-    where = display_uri(uri)
-    roots: list[dict[str, Any]] | None = None
-    if not rows and pointer is None:
-        from ._runs import describe_roots, find_run_roots
-
-        found = [p for p in find_run_roots(store, depth=2) if p]
-        roots = describe_roots(uri, found, args.store_options, check_shards=False, now=now) if found else []
-    if args.json:
-        doc: dict[str, Any] = {
-            "root": where,
-            "pointer": None if pointer is None else {"step": pointer.step, "attempt": pointer.attempt},
-            "latest": res.step,
-            "skipped": [s.to_dict() for s in res.skipped],
-            "checkpoints": rows,
-        }
-        if roots:
-            doc["run_roots"] = roots
-        emit_json(doc)
-        return EXIT_OK
-    out, _ = outputs()
-    if not rows:
-        out.line(f"no committed checkpoints under {where}")
-        if roots:
-            from ._runs import render_roots
-
-            out.line(f"run roots below it ({len(roots)}; details: objckpt runs {where}):")
-            render_roots(out, roots)
-        return EXIT_OK
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title=Text(where), title_justify="left", box=None, pad_edge=False)
-    for col, justify in (
-        ("step", "right"),
-        ("attempt", "left"),
-        ("ranks", "right"),
-        ("shards", "right"),
-        ("size", "right"),
-        ("age", "right"),
-        ("", "left"),
-    ):
-        table.add_column(col, justify=justify, no_wrap=col not in FOLD_COLUMNS, overflow="fold")  # type: ignore[arg-type]
-    for r in rows:
-        marks = []
-        if r["latest"]:
-            marks.append("<- LATEST")
-        if r["pointer"] and not r["latest"]:
-            marks.append("(LATEST pointer)")
-        if not r["valid"]:
-            table.add_row(
-                str(r["step"]), "-", "-", "-", "-", "-", Text(" ".join([f"INVALID: {r['error']}", *marks]))
-            )
-            continue
-        if r["damaged"]:
-            marks.insert(0, f"DAMAGED: {r['damaged']}")
-        table.add_row(
-            str(r["step"]),
-            r["attempt"],
-            str(r["world_size"]),
-            str(r["shards"]),
-            human_bytes(r["bytes"]),
-            age(r["created_at"], now)[1],
-            Text(" ".join(marks)),
-        )
-    out.render(table)
-    if pointer is not None and pointer.step not in {r["step"] for r in rows}:
-        warn(f"LATEST names step {pointer.step}, which has no manifest")
-    if res.step is None:
-        warn(f"no valid checkpoint under {where}")
-    elif pointer is None:
-        from ._output import note
-
-        note("no LATEST pointer; '<- LATEST' (the newest valid checkpoint) resolved from manifests/")
-    return EXIT_OK
+from ._output import FOLD_COLUMNS, age, emit_json, human_bytes, note, outputs
+from ._view import RootView
 
 
 def _manifest_json(m: Any, where: str, *, shards: bool) -> dict[str, Any]:
@@ -138,26 +31,68 @@ def _manifest_json(m: Any, where: str, *, shards: bool) -> dict[str, Any]:
     return d
 
 
+def checkpoint_state(view: RootView, m: Any) -> dict[str, Any]:
+    """Where ``m`` stands on the run root's timelines (for ``show`` and ``verify``)."""
+    claim = view.claims.get(m.timeline)
+    by = view.abandoned_by(m.ref)
+    left = view.claims.get(by) if by is not None else None
+    return {
+        "label": m.label,
+        "parent_label": None if m.parent_ref is None else label(m.parent_ref),
+        "timeline_base": None if claim is None else ref_dict(claim.base_ref),
+        "timeline_reason": None if claim is None else claim.reason,
+        "timeline_created_at": None if claim is None else claim.created_at,
+        "head": m.ref == view.head.ref,
+        "on_line": view.on_line(m.ref),
+        "abandoned": not view.on_line(m.ref),
+        "abandoned_at": None if left is None else left.created_at,
+        "abandoned_by": by,
+        "quarantined": m.ref in view.quarantined,
+        "quarantine_reason": view.quarantined.get(m.ref) or None,
+        "base_of": sorted(n for n, c in view.claims.items() if c.base_ref == m.ref),
+    }
+
+
+def _state_line(state: dict[str, Any], now: datetime) -> str:
+    parts = []
+    if state["head"]:
+        parts.append("the head")
+    if state["abandoned"]:
+        since = f" {age(state['abandoned_at'], now)[1]}" if state["abandoned_at"] else ""
+        by = f" (by timeline {state['abandoned_by']})" if state["abandoned_by"] is not None else ""
+        parts.append(f"abandoned{since}{by}: off the head's line, restores never resume it")
+    else:
+        parts.append("on the head's line")
+    if state["quarantined"]:
+        why = f": {state['quarantine_reason']}" if state["quarantine_reason"] else ""
+        parts.append(f"QUARANTINED{why} (restores skip it)")
+    if state["base_of"]:
+        parts.append(f"base of timeline {', '.join(map(str, state['base_of']))}")
+    return "; ".join(parts)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from ..reader import Reader
 
-    uri, step = split_step(args.target)
+    uri, step, timeline = split_target(args.target)
     store = open_root(uri, args.store_options)
     where = display_uri(uri)
     reader = Reader(store)
-    skipped: list[Any] = []
+    res = None
     if step is not None:
-        m = reader.load(step)
+        m = reader.load(step, timeline)
     else:
         res = resolve_latest(reader)
         m = res.require(where)
-        skipped = res.skipped
         if not args.json:
             note_skipped(res)
+    view = RootView.read(reader, head=None if res is None else res.head, reasons=True)
+    state = checkpoint_state(view, m)
     if args.json:
-        doc = _manifest_json(m, where, shards=args.shards)
-        if step is None:
-            doc["skipped"] = [s.to_dict() for s in skipped]
+        doc = {**_manifest_json(m, where, shards=args.shards), **state}
+        if res is not None:
+            doc["skipped"] = [s.to_dict() for s in res.skipped]
+            doc["skipped_quarantined"] = [s.to_dict() for s in res.quarantined]
         emit_json(doc)
         return EXIT_OK
     out, _ = outputs()
@@ -169,13 +104,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     summary.add_column(overflow="fold")
     run = dict(m.run)
     software = run.pop("software", {})
+    claim = view.claims.get(m.timeline)
+    branch = "" if claim is None else f" ({view.branch_from(m.timeline)}, {claim.created_at})"
     rows = [
         ("root", where),
         ("manifest", object_url(store, m.key)),
         ("step", str(m.step)),
+        ("timeline", f"{m.timeline}{branch}"),
+        ("state", _state_line(state, now)),
         ("attempt", m.attempt),
         ("committed", f"{m.created_at} ({age(m.created_at, now)[1]})"),
-        ("parent", "-" if m.parent is None else str(m.parent)),
+        ("parent", state["parent_label"] or "-"),
         ("world size", str(m.world_size)),
         ("topology", json.dumps(m.topology, sort_keys=True)),
         ("run", json.dumps(run, sort_keys=True) if run else "-"),
@@ -210,36 +149,46 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
+    from .. import layout
     from ..reader import Reader
 
     uri = run_root(args.uri, "latest")
     store = open_root(uri, args.store_options)
     where = display_uri(uri)
-    # Default: what a restore would pick (manifest validated AND every shard HEAD-checked,
-    # falling back along the parent chain); --no-check-shards validates the manifest only.
+    # Default: what a restore would pick (manifest validated, not quarantined, every shard
+    # HEAD-checked, falling back along the head's line); --no-check-shards validates the
+    # manifest only.
     res = resolve_latest(Reader(store), check_shards=args.check_shards)
     m = res.require(where)
     pointer = res.pointer
+    target = None if pointer is None else layout.parse_manifest_key(pointer.manifest_key)
     if args.json:
         emit_json(
             {
                 "root": where,
                 "step": m.step,
+                "timeline": m.timeline,
+                "label": m.label,
                 "attempt": m.attempt,
                 "manifest_key": m.key,
                 "created_at": m.created_at,
                 "pointer_step": None if pointer is None else pointer.step,
+                "pointer_timeline": None if pointer is None else pointer.timeline,
+                "head_timeline": None if res.head is None else res.head.timeline,
                 "shards_checked": bool(args.check_shards),
                 "skipped": [s.to_dict() for s in res.skipped],
+                "skipped_quarantined": [s.to_dict() for s in res.quarantined],
             }
         )
         return EXIT_OK
     out, _ = outputs()
+    # The bare step: unambiguous, since URI@STEP names the step on the head's line (where the
+    # latest checkpoint always is), and what scripts expect.
     out.line(str(m.step))
     note_skipped(res)
-    if pointer is None or pointer.step != m.step:
-        from ._output import note
-
-        what = "no LATEST pointer" if pointer is None else f"LATEST points at step {pointer.step}"
-        note(f"{what}; resolved step {m.step} from manifests/")
+    if m.timeline:
+        note(f"step {m.step} is on timeline {m.timeline} ({m.label})")
+    if target != m.ref and not res.skipped and not res.quarantined:  # else the notes above say why
+        what = "no LATEST pointer" if pointer is None else f"LATEST points at step {label(target or (0, 0))}"
+        note(f"{what}; resolved step {m.label} from manifests/")
     return EXIT_OK

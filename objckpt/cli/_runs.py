@@ -1,8 +1,8 @@
 """``runs PREFIX``: the run roots under a prefix, each with its head step and that step's age.
 
 Run roots are found by their ``manifests/`` prefix, with one delimiter listing
-(``Store.list_prefixes``) per level down to ``--depth``; ``data/`` and ``manifests/`` are never
-descended into or listed. Each root found is then resolved like any run root: one GET of its
+(``Store.list_prefixes``) per level down to ``--depth``; a run root's own prefixes (``data/``,
+``manifests/``, ``timelines/``, ``quarantine/``) are never descended into. Each root found is then resolved like any run root: one GET of its
 ``LATEST`` and the reader's bounded LIST of ``manifests/`` after the pointer's key.
 """
 
@@ -22,7 +22,13 @@ FROM_VALID = "newest valid"
 FROM_POINTER = "LATEST pointer"
 FROM_MANIFEST = "newest manifest"
 
-_NEVER_DESCEND = {layout.DATA_PREFIX, layout.MANIFEST_PREFIX}
+#: a run root's own prefixes: never searched for run roots below them
+_NEVER_DESCEND = {
+    layout.DATA_PREFIX,
+    layout.MANIFEST_PREFIX,
+    layout.TIMELINE_PREFIX,
+    layout.QUARANTINE_PREFIX,
+}
 
 
 def find_run_roots(store: Any, depth: int) -> list[str]:
@@ -48,7 +54,7 @@ def describe_roots(
     uri: str, prefixes: list[str], options: dict[str, str], *, check_shards: bool, now: datetime
 ) -> list[dict[str, Any]]:
     """One row per run root: its head step, where that came from, and its age."""
-    from ..errors import NoCheckpointError
+    from ..errors import NotFoundError
     from ..reader import Reader
 
     rows = []
@@ -62,18 +68,21 @@ def describe_roots(
                 res = resolve_latest(reader)
                 m, source, pointer = res.manifest, FROM_VALID, res.pointer
                 row["skipped"] = [s.step for s in res.skipped]
+                row["skipped_labels"] = [s.label for s in res.skipped]
             else:
                 pointer = reader.pointer()
                 m, source = None, FROM_POINTER
                 if pointer is not None:
                     try:
-                        m = reader.load(pointer.step)
-                    except NoCheckpointError:
+                        m = reader.fetch(pointer.manifest_key)
+                    except NotFoundError:
                         m = None
                 if m is None:
                     m, source = reader.latest(), FROM_MANIFEST
             row.update(
                 head_step=None if m is None else m.step,
+                head_timeline=None if m is None else m.timeline,
+                head_label=None if m is None else m.label,
                 source=None if m is None else source,
                 pointer_step=None if pointer is None else pointer.step,
                 created_at=None if m is None else m.created_at,
@@ -103,9 +112,14 @@ def render_roots(out: Out, rows: list[dict[str, Any]]) -> None:
         if r["head_step"] is None:
             table.add_row(Text(r["root"]), "-", "-", "-", "no valid checkpoint")
             continue
-        extra = f"skipped damaged step(s) {', '.join(map(str, r['skipped']))}" if r["skipped"] else ""
+        skipped = r.get("skipped_labels") or [str(s) for s in r["skipped"]]
+        extra = f"skipped damaged step(s) {', '.join(skipped)}" if skipped else ""
         table.add_row(
-            Text(r["root"]), str(r["head_step"]), r["source"], age(r["created_at"], now)[1], Text(extra)
+            Text(r["root"]),
+            r.get("head_label") or str(r["head_step"]),
+            r["source"],
+            age(r["created_at"], now)[1],
+            Text(extra),
         )
     out.render(table)
 

@@ -36,8 +36,10 @@ def commit_step(
     world_size: int = 2,
     names: tuple[str, ...] = ("model.pt", "optim.pt"),
     size: int = 3000,
+    timeline: int = 0,
 ) -> Manifest:
-    """A real commit: every rank's ShardWriter, then Coordinator.commit (manifest + pointer)."""
+    """A real commit: every rank's ShardWriter, then Coordinator.commit (manifest + pointer), on
+    ``timeline`` (claimed beforehand, e.g. by ``objckpt.timelines.rollback``)."""
     attempt = new_attempt_id()
     receipts = {}
     for rank in range(world_size):
@@ -51,6 +53,7 @@ def commit_step(
         receipts=receipts,
         progress={"global_step": step, "epoch": step // 100},
         run={"config_hash": "cafef00d"},
+        timeline=timeline,
     )
 
 

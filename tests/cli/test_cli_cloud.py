@@ -74,7 +74,8 @@ def test_ls_show_latest_verify_gc(server, request):
 
     assert run_cli("latest", uri).out.strip() == "3"
     sh = run_cli("show", f"{uri}@2", "--json").json()
-    assert sh["attempt"] == ms[2].attempt and sh["parent"] == 1
+    assert sh["attempt"] == ms[2].attempt and sh["parent"] == {"timeline": 0, "step": 1}
+    assert (sh["timeline"], sh["label"], sh["parent_label"], sh["on_line"]) == (0, "2", "1", True)
     assert run_cli("verify", uri, "--all").rc == 0
 
     # a flipped byte on the server: overwrite one shard behind objckpt's back

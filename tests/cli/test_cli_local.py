@@ -104,7 +104,9 @@ def test_ls_lists_committed_steps_and_pointer(committed):
     assert "11.7 KiB" in lines[0]
 
     data = run_cli("ls", uri, "--json").json()
-    assert data["pointer"] == {"step": 30, "attempt": manifests[30].attempt}
+    pointer = data["pointer"]  # revision 2 adds the pointer's timeline and manifest key
+    assert {k: pointer[k] for k in ("step", "attempt")} == {"step": 30, "attempt": manifests[30].attempt}
+    assert (pointer["timeline"], pointer["manifest"]) == (0, manifest_key(30))
     assert data["latest"] == 30
     rows = {c["step"]: c for c in data["checkpoints"]}
     assert rows[20]["bytes"] == 4 * 3000 and rows[20]["shards"] == 4 and rows[20]["world_size"] == 2
@@ -164,7 +166,9 @@ def test_show_latest_and_step(committed):
     assert manifests[30].attempt in r.out and "cafef00d" in r.out
     d = run_cli("show", f"{uri}@20", "--json", "--shards").json()
     assert d["step"] == 20 and d["attempt"] == manifests[20].attempt
-    assert d["parent"] == 10 and d["world_size"] == 2 and d["shard_count"] == 4
+    # revision 2: the parent names its timeline too
+    assert d["parent"] == {"timeline": 0, "step": 10} and d["parent_label"] == "10"
+    assert d["timeline"] == 0 and d["world_size"] == 2 and d["shard_count"] == 4
     assert d["total_size"] == 12000 and d["progress"]["global_step"] == 20
     assert {s["name"] for s in d["shards"]} == {"model.pt", "optim.pt"}
     assert "shards" not in run_cli("show", f"{uri}@20", "--json").json()
@@ -175,6 +179,10 @@ def test_show_latest_and_step(committed):
 def test_show_missing_step_exits_3(committed):
     uri, _, _ = committed
     r = run_cli("show", f"{uri}@25")
+    assert r.rc == 3
+    # @25 may be on any timeline: the error names the step and the root; @t0:25 names one key
+    assert "step 25" in r.err and uri in r.err
+    r = run_cli("show", f"{uri}@t0:25")
     assert r.rc == 3
     assert "step 25" in r.err and "manifests/00000000000000000025.json" in r.err
 

@@ -37,6 +37,8 @@ def test_json_errors_for_every_kind_of_failure(committed, tmp_path):
     e = _one_json_error(run_cli("ls", "not-a-uri", "--json"), 2, "ConfigError")
     assert "not a run-root URI" in e["message"] and e["command"] == "ls"
     e = _one_json_error(run_cli("show", f"{uri}@25", "--json"), 3, "NoCheckpointError")
+    assert "step 25" in e["message"] and uri in e["message"]  # on no timeline: no one key to name
+    e = _one_json_error(run_cli("show", f"{uri}@t0:25", "--json"), 3, "NoCheckpointError")
     assert manifest_key(25) in e["message"]
     _one_json_error(run_cli("latest", f"file://{tmp_path}/empty", "--json"), 3)
     _one_json_error(run_cli("plan", "--json"), 2, "UsageError")

@@ -85,8 +85,12 @@ def test_discovery_never_lists_data(tree, monkeypatch, capsys):
     calls = [c for s in seen for c in s.calls]
     listed = [key for op, key in calls if op in ("list_page", "list_prefixes")]
     assert listed and not [k for k in listed if "data/" in k], listed
-    # object listings only of manifests/ (the reader's bounded LIST), never anything else
-    assert all(k.endswith("manifests/") for op, k in calls if op == "list_page"), calls
+    # a run root's own prefixes are never searched for run roots
+    own = ("manifests/", "timelines/", "quarantine/")
+    assert not [k for op, k in calls if op == "list_prefixes" and k.endswith(own)], calls
+    # object listings only of manifests/ and timelines/ (the reader's bounded LISTs), never
+    # anything else
+    assert all(k.endswith(("manifests/", "timelines/")) for op, k in calls if op == "list_page"), calls
 
 
 def test_runs_on_an_empty_prefix(tmp_path):
