@@ -37,6 +37,7 @@ __all__ = [
     "OrphanPrefix",
     "RetentionPolicy",
     "plan_gc",
+    "live_keys",
     "retain",
     "run_gc",
 ]
@@ -226,6 +227,9 @@ def plan_gc(
     for ref in on_line:
         if ref not in manifests:
             continue
+        if reader.is_quarantined(manifests[ref]):
+            keep(ref, "quarantined; kept until a newer checkpoint verifies")
+            continue  # restores skip it: the one they use is further down the line
         problems = reader.check(manifests[ref])
         if not problems:
             keep(ref, "newest checkpoint that verifies")
@@ -325,7 +329,7 @@ def plan_gc(
     return plan
 
 
-def _live_keys(reader: Reader) -> set[str]:
+def live_keys(reader: Reader) -> set[str]:
     """Every object some committed manifest needs right now (shards and references)."""
     live: set[str] = set()
     for key in reader.checkpoints().values():
@@ -380,7 +384,7 @@ def run_gc(store: Store, plan: GcPlan) -> GcResult:
         result.deleted_manifests = [d.key for d in doomed]
     # 2. their shards -- except what a manifest committed since the plan references (a save
     # that reused an object of a checkpoint being collected keeps it alive).
-    live_now = _live_keys(reader) if any(d.shard_keys for d in doomed) else set()
+    live_now = live_keys(reader) if any(d.shard_keys for d in doomed) else set()
     shard_keys = [k for d in doomed for k in d.shard_keys if k not in live_now]
     if shard_keys:
         store.delete(shard_keys)

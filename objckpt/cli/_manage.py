@@ -361,10 +361,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
             # run_gc never deletes the target of LATEST; --force does, in the same safe order
             # (manifest first, then its shards). Readers then fall back past the dangling pointer.
             store.delete([deletion.key])
-            store.delete(deletion.shard_keys)
-            result = gcmod.GcResult(
-                deleted_manifests=[deletion.key], deleted_objects=len(deletion.shard_keys)
-            )
+            live = gcmod.live_keys(reader)  # objects another checkpoint references stay
+            doomed = [k for k in deletion.shard_keys if k not in live]
+            store.delete(doomed)
+            result = gcmod.GcResult(deleted_manifests=[deletion.key], deleted_objects=len(doomed))
     if args.json:
         doc: dict[str, Any] = {
             "root": where,

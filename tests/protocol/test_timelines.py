@@ -328,3 +328,14 @@ def test_explicit_steps_name_the_line_first() -> None:
     assert reader.load(20, timeline=0).ref == (0, 20)
     with pytest.raises(NoCheckpointError):
         reader.load(99)
+
+
+def test_retention_never_collects_the_checkpoint_restores_use_when_the_head_is_quarantined() -> None:
+    store = memory_store()
+    train(store, (10, 20, 30))
+    quarantine(store, 30, reason="loss spike")
+    plan = plan_gc(store, RetentionPolicy(keep_last=1))
+    kept = set(plan.kept)
+    assert (0, 30) in kept and (0, 20) in kept  # 20 is what a restore uses now
+    run_gc(store, plan)
+    assert restart(store).step == 20
