@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -98,19 +98,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     )
     now = datetime.now(timezone.utc)
     reader = Reader(store)
-    # plan_gc protects the newest checkpoint that verifies, quarantined or not; what restores
-    # use is the newest *valid* one (quarantined ones skipped): never collect it (pinned here)
+    # plan_gc keeps the newest checkpoint that verifies (quarantined ones skipped): what restores use
     res = resolve_latest(reader)
-    if res.ref is not None and not policy.is_pinned(res.ref):
-        policy = replace(policy, pinned=policy.pinned | {res.ref})
     plan = gcmod.plan_gc(store, policy, grace_period=grace, now=now)
-    if (
-        res.ref is not None
-        and plan.kept.get(res.ref) == "pinned"
-        and res.ref not in pins
-        and res.step not in pins
-    ):
-        plan.kept[res.ref] = "the newest valid checkpoint (what a restore uses)"
     abandoned = abandoned_report(RootView.read(reader, head=res.head), plan, now)
     result = None if args.dry_run else gcmod.run_gc(store, plan)
     if args.json:
