@@ -60,6 +60,7 @@ from ._common import (
 from ._common import _accepted_options as _accepted_options
 from ._common import _open as _open
 from ._copy import cmd_cp
+from ._export import add_export_parser
 from ._inspect import cmd_latest, cmd_ls, cmd_show
 from ._manage import cmd_gc, cmd_rm
 from ._output import emit_error, error_line, reset_json
@@ -345,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _with_common(p, store=False)
     p.set_defaults(func=cmd_plan)
+
+    add_export_parser(add, _with_common)
 
     p = add(
         "demo",
