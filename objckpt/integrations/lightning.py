@@ -373,10 +373,18 @@ class ObjckptCheckpointIO(_CheckpointIO):
 
 # ---------------------------------------------------------------------- hyper-parameters, early
 
-try:  # Callback lives in the trainer package: the unified one first, then pytorch_lightning
-    from lightning.pytorch.callbacks import Callback as _Callback
-except ImportError:  # pragma: no cover - depends on what is installed
-    from pytorch_lightning.callbacks import Callback as _Callback
+
+def _callback_base() -> Any:
+    """Lightning's ``Callback``: the unified package's trainer first, then pytorch_lightning."""
+    import importlib
+
+    try:
+        return importlib.import_module("lightning.pytorch.callbacks").Callback
+    except ImportError:  # pragma: no cover - depends on what is installed
+        return importlib.import_module("pytorch_lightning.callbacks").Callback
+
+
+_Callback: Any = _callback_base()
 
 
 def check_hyperparameters(pl_module: Any, datamodule: Any | None = None) -> None:
@@ -409,7 +417,7 @@ def check_hyperparameters(pl_module: Any, datamodule: Any | None = None) -> None
             ) from None
 
 
-class ObjckptHyperparametersCheck(_Callback):
+class ObjckptHyperparametersCheck(_Callback):  # type: ignore[misc]  # Lightning resolved at import
     """A Lightning callback that runs :func:`check_hyperparameters` in ``setup``, i.e. when
     ``fit`` (or ``validate``/``test``/``predict``) starts, before the sanity check and the first
     epoch -- instead of the first checkpoint failing after a whole epoch.
