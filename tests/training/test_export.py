@@ -174,6 +174,53 @@ def test_a_damaged_shard_fails_the_export_and_leaves_no_file(tmp_path: Path) -> 
     no_temporaries(tmp_path)
 
 
+def test_a_header_that_differs_from_the_verified_stream_is_refused(tmp_path: Path) -> None:
+    from objckpt.training.export import plan_export
+
+    model, opt = trained()
+    root = f"file://{tmp_path}/run"
+    with CheckpointManager(root) as ckpt:
+        ckpt.save(4, {"model": model, "optimizer": opt})
+    store = open_store(root)
+    plan = plan_export(store, 4)
+    # the layout was planned from ranged reads of the header; the verified stream must agree
+    source = plan.sources[0]
+    changed = bytearray(source.header)
+    changed[-2] ^= 0x01
+    source.header = bytes(changed)
+    out = tmp_path / "m.safetensors"
+    with pytest.raises(ChecksumMismatchError, match="header changed"):
+        plan.write_safetensors(out)
+    assert not out.exists()
+    no_temporaries(tmp_path)
+
+
+def test_export_from_every_backend(store) -> None:  # type: ignore[no-untyped-def]
+    """Through each backend's own streams (S3: multipart upload, parallel ranged reads; GCS), both
+    layouts: a CheckpointManager step and a DCP step under one run root."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from objckpt import save_sharded
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1600), torch.nn.Linear(1600, 3))  # > 5 MiB
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CheckpointManager(store, keep_last=None) as ckpt:
+        ckpt.save(3, {"model": model, "optimizer": opt})
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_sharded({"model": msd, "optim": osd}, store, step=4)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        for step, layout_name in ((3, "CheckpointManager"), (4, "DCP")):
+            out = Path(d) / f"{step}.safetensors"
+            result = export_safetensors(store, out, step=step, chunk_size=2 * 2**20)
+            assert result.layout == layout_name
+            assert_same(safetensors_torch.load_file(out), model.state_dict())
+
+
 # ------------------------------------------------------------------------------ DCP, 1 process
 
 
