@@ -58,13 +58,27 @@ _LAZY = {
 }
 
 
+#: packages of the ``torch`` extra: a lazy name that needs a missing one says how to install it
+_TORCH_EXTRA = ("torch", "numpy")
+
+
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'objckpt' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in _TORCH_EXTRA:
+            raise
+        raise ModuleNotFoundError(
+            f"objckpt.{name} needs {missing}, which is not installed: pip install 'objckpt[torch]' ({exc})",
+            name=exc.name,
+        ) from exc
+    return getattr(imported, name)
 
 
 __all__ = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ._copy import cmd_cp
+from ._export import add_export_parser
 from ._inspect import cmd_latest, cmd_show
 from ._ls import cmd_ls
 from ._manage import cmd_gc, cmd_rm
@@ -340,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _with_common(p, store=False)
     p.set_defaults(func=cmd_plan)
+
+    add_export_parser(add, _with_common)
 
     p = add(
         "demo",

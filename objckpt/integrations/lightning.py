@@ -27,7 +27,12 @@ save sharded state themselves (FSDP, DeepSpeed, ModelParallel) do not use ``Chec
 Serialization: objckpt's own pickle-free format (:mod:`objckpt.training.serialization`), never
 ``torch.save``/``pickle``. Loading therefore runs no code from the store whatever
 ``weights_only`` says. A value the format cannot hold (e.g. an ``argparse.Namespace`` in the
-hyper-parameters) fails the save with :class:`UnsupportedStateError` naming its path.
+hyper-parameters) fails the save with :class:`UnsupportedStateError` naming its path -- at the
+first checkpoint, after a whole epoch, unless the :class:`ObjckptHyperparametersCheck` callback
+checks ``save_hyperparameters()`` when ``fit`` starts (``CheckpointIO`` sees nothing before the
+first save)::
+
+    trainer = Trainer(plugins=[io], callbacks=[ObjckptHyperparametersCheck()])
 """
 
 from __future__ import annotations
@@ -63,7 +68,13 @@ except ImportError:  # pragma: no cover - depends on what is installed
             "objckpt.integrations.lightning needs PyTorch Lightning: pip install 'lightning>=2.6'"
         ) from exc
 
-__all__ = ["SHARD_NAME", "ObjckptCheckpointIO", "step_from_path"]
+__all__ = [
+    "SHARD_NAME",
+    "ObjckptCheckpointIO",
+    "ObjckptHyperparametersCheck",
+    "check_hyperparameters",
+    "step_from_path",
+]
 
 log = logging.getLogger("objckpt.integrations.lightning")
 
@@ -358,3 +369,63 @@ class ObjckptCheckpointIO(_CheckpointIO):
             self._collect_pending()
         finally:
             self._comm.close()
+
+
+# ---------------------------------------------------------------------- hyper-parameters, early
+
+
+def _callback_base() -> Any:
+    """Lightning's ``Callback``: the unified package's trainer first, then pytorch_lightning."""
+    import importlib
+
+    try:
+        return importlib.import_module("lightning.pytorch.callbacks").Callback
+    except ImportError:  # pragma: no cover - depends on what is installed
+        return importlib.import_module("pytorch_lightning.callbacks").Callback
+
+
+_Callback: Any = _callback_base()
+
+
+def check_hyperparameters(pl_module: Any, datamodule: Any | None = None) -> None:
+    """Check now that the hyper-parameters Lightning will put in every checkpoint
+    (``save_hyperparameters()`` of the module and of the datamodule) can be saved by
+    :class:`ObjckptCheckpointIO`.
+
+    Raises:
+        UnsupportedStateError: naming the hyper-parameter's path (``hparams['args']``) and its
+            type, with how to fix it.
+    """
+    from ..errors import UnsupportedStateError
+    from ..training import serialization
+
+    for obj, where in ((pl_module, "hparams"), (datamodule, "datamodule.hparams")):
+        hparams = getattr(obj, "hparams", None) if obj is not None else None
+        if not hparams:
+            continue
+        # what Lightning's dump_checkpoint stores: dict(hparams), or an OmegaConf container as is
+        value = dict(hparams) if isinstance(hparams, dict) else hparams
+        try:
+            serialization.validate(value, path_root=where)
+        except UnsupportedStateError as exc:
+            raise UnsupportedStateError(
+                f"{type(obj).__name__}.save_hyperparameters() holds a value every checkpoint would fail "
+                f"on: {exc}. ObjckptCheckpointIO saves without pickle, so hyper-parameters must be None, "
+                "bool, int, float, str, bytes, tensors, or lists/tuples/dicts of them: convert it before "
+                "save_hyperparameters() (vars(namespace), str(path)) or leave it out with "
+                "save_hyperparameters(ignore=[...])"
+            ) from None
+
+
+class ObjckptHyperparametersCheck(_Callback):  # type: ignore[misc]  # Lightning resolved at import
+    """A Lightning callback that runs :func:`check_hyperparameters` in ``setup``, i.e. when
+    ``fit`` (or ``validate``/``test``/``predict``) starts, before the sanity check and the first
+    epoch -- instead of the first checkpoint failing after a whole epoch.
+
+    ::
+
+        trainer = Trainer(plugins=[ObjckptCheckpointIO(uri)], callbacks=[ObjckptHyperparametersCheck()])
+    """
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        check_hyperparameters(pl_module, getattr(trainer, "datamodule", None))
