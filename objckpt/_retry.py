@@ -88,4 +88,5 @@ class RetryPolicy:
             return retrying(fn, *args, **kwargs)
         except TransientError as exc:
             tries = retrying.statistics.get("attempt_number", 1)
-            raise self.exhausted(exc, tries, time.monotonic() - started) from None
+            self.exhausted(exc, tries, time.monotonic() - started)
+            raise  # the same error (its cause kept), with the spent budget in its message
