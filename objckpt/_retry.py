@@ -88,4 +88,5 @@ class RetryPolicy:
             return retrying(fn, *args, **kwargs)
         except TransientError as exc:
             tries = retrying.statistics.get("attempt_number", 1)
-            raise self.exhausted(exc, tries, time.monotonic() - started) from None
+            # keep the error's own cause (the SDK exception it was mapped from), not tenacity's
+            raise self.exhausted(exc, tries, time.monotonic() - started) from exc.__cause__
