@@ -194,6 +194,33 @@ class LocalStore(Store):
         # The path is the root itself (there is no bucket): no PrefixStore needed.
         return cls(parsed.prefix, **options)
 
+    def _probe(self) -> None:
+        """The root is a directory, or can be made one (its nearest existing ancestor is a
+        writable directory): file:// creates the root at the first write, so a missing root is
+        not an error, but one that can never be created is."""
+        probe = self.root
+        while True:
+            try:
+                st = os.stat(probe)
+            except (FileNotFoundError, NotADirectoryError):
+                parent = os.path.dirname(probe)
+                if parent == probe:
+                    break
+                probe = parent
+                continue
+            except OSError as exc:
+                raise self._error(exc, "", "check") from exc
+            if not stat.S_ISDIR(st.st_mode):
+                raise ConfigError(f"the run root's path {probe!r} is not a directory [{self.location}]")
+            if probe != self.root and not os.access(probe, os.W_OK | os.X_OK):
+                raise PermissionDeniedError(
+                    f"cannot create the run root: {probe!r} is not writable",
+                    location=self.location,
+                    operation="check",
+                )
+            break
+        super()._probe()
+
     # ------------------------------------------------------------------ keys and errors
 
     def _key_rule(self, key: str) -> str | None:
