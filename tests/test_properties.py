@@ -219,6 +219,41 @@ def test_a_key_the_rule_accepts_never_leaves_the_root(key: str) -> None:
         assert "\\" not in key and "\x00" not in key
 
 
+@given(st.one_of(keys, st.from_regex(r"manifests/(t\d{10}-)?\d{20}\.json", fullmatch=True)))
+@example("manifests/0000000000000000000\u0660.json")  # an Arabic-Indic zero parsed as step 0
+@example("manifests/00000000000000000020.json\n")  # '$' matched before a trailing newline
+@example("data/00000000000000000020-0123456789abcdef/00000/x\n")
+def test_layout_parsers_round_trip_or_refuse(key: str) -> None:
+    parsed = layout.parse_manifest_key(key)
+    if parsed is not None:
+        timeline, step = parsed
+        assert layout.manifest_key(step, timeline) == key
+    shard = layout.parse_shard_key(key)
+    if shard is not None:
+        step, attempt, rank, name = shard
+        assert layout.shard_key(step, attempt, rank, name) == key
+    try:
+        checked = layout.validate_key_in_root(key)
+    except (ValueError, ManifestError):
+        return
+    assert key_problem(checked) is None
+
+
+def test_ids_and_names_with_a_trailing_newline_or_unicode_digits_are_refused() -> None:
+    """Regression (found by the layout property): the layout regexes used ``$`` (which matches
+    before a trailing newline) and ``\\d`` (any Unicode digit)."""
+    for bad in ("0123456789abcdef\n", "0123456789abcde\u0660"):
+        with pytest.raises(ValueError):
+            layout.check_attempt_id(bad)
+        body = {k: v for k, v in MANIFEST_OBJ.items() if k != "checksum"}
+        with pytest.raises(ManifestError):
+            Manifest.decode(_resealed({**body, "attempt": bad}), key=MANIFEST.key)
+    with pytest.raises(ValueError):
+        layout.shard_key(20, ATTEMPT, 0, "state.bin\n")
+    assert layout.parse_manifest_key("manifests/0000000000000000000\u0660.json") is None
+    assert layout.parse_timeline_key("timelines/000000000\u0661.json") is None
+
+
 @given(st.integers(), st.integers())
 def test_manifest_keys_of_valid_steps_parse_back(step: int, timeline: int) -> None:
     try:
