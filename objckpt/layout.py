@@ -77,6 +77,11 @@ def parse_manifest_key(key: str) -> tuple[int, int] | None:
     m = _MANIFEST_RE.match(key)
     if not m:
         return None
+    if m.group(1) is not None and int(m.group(1)) == 0:
+        # timeline 0's key has no 't' part: 'manifests/t0000000000-<step>.json' is not a
+        # manifest key (it would name the same checkpoint as 'manifests/<step>.json' and, sorting
+        # after it, replace it in a listing)
+        return None
     return (int(m.group(1)) if m.group(1) is not None else 0, int(m.group(2)))
 
 

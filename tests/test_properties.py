@@ -223,6 +223,7 @@ def test_a_key_the_rule_accepts_never_leaves_the_root(key: str) -> None:
 @example("manifests/0000000000000000000\u0660.json")  # an Arabic-Indic zero parsed as step 0
 @example("manifests/00000000000000000020.json\n")  # '$' matched before a trailing newline
 @example("data/00000000000000000020-0123456789abcdef/00000/x\n")
+@example("manifests/t0000000000-00000000000000000000.json")  # a second key for timeline 0's step 0
 def test_layout_parsers_round_trip_or_refuse(key: str) -> None:
     parsed = layout.parse_manifest_key(key)
     if parsed is not None:
@@ -252,6 +253,25 @@ def test_ids_and_names_with_a_trailing_newline_or_unicode_digits_are_refused() -
         layout.shard_key(20, ATTEMPT, 0, "state.bin\n")
     assert layout.parse_manifest_key("manifests/0000000000000000000\u0660.json") is None
     assert layout.parse_timeline_key("timelines/000000000\u0661.json") is None
+
+
+def test_a_stray_object_with_a_second_key_for_a_checkpoint_cannot_hide_it() -> None:
+    """Regression (found by the layout property, thorough run): 'manifests/t0000000000-<step>.json'
+    parsed as timeline 0's <step>; it sorts after the real key, so a listing replaced the real
+    manifest with the stray object, and resolution rejected the step as damaged (falling back,
+    losing it)."""
+    from objckpt.coordination import LocalComm, SaveSession
+    from objckpt.reader import Reader
+    from objckpt.store.memory import MemoryStore
+
+    store = MemoryStore("stray")
+    session = SaveSession(store, LocalComm())
+    for step in (10, 20):
+        session.save(step, lambda t: t.writer.write("state.bin", b"x"))
+    store.put("manifests/t0000000000-00000000000000000020.json", b"not a manifest")
+    reader = Reader(store)
+    assert [m.step for m in reader.candidates()][:1] == [20]
+    assert sorted(reader.checkpoints()) == [(0, 10), (0, 20)]
 
 
 @given(st.integers(), st.integers())
