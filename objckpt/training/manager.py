@@ -171,7 +171,9 @@ class CheckpointManager:
         mirror_policy: back-pressure when commits come faster than the mirror copies them:
             ``"latest"`` (default: a waiting commit is replaced by a newer one, training never
             waits) or ``"wait"`` (every commit is mirrored; the commit after the waiting one
-            blocks until the mirror has taken it).
+            blocks rank 0 inside the commit until the mirror has taken it -- at most one
+            replication, which must stay well under ``timeout``, as the other ranks wait for
+            the commit's outcome meanwhile).
         check: check the run root (and the mirror) at construction: ``True`` (default) one LIST
             per root (the server answers, the bucket exists, the credentials may read it);
             ``"write"`` also a probe write and delete; ``False`` nothing. A failure is raised on
