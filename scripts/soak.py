@@ -41,6 +41,8 @@ def render(stats: dict, args: argparse.Namespace, skipped: dict[str, str], reque
     flips = {k.split(":", 1)[1]: v for k, v in faults.items() if k.startswith("bitflip:")}
     done = stats["episodes"]
     honest = "" if done >= requested else f" (of {requested:,} requested: the time budget ran out)"
+    if stats.get("runs"):
+        honest += f" in two runs of seed {args.seed} ({' + '.join(f'{n:,}' for n in stats['runs'])} episodes)"
     lines = [
         "## Randomized soak",
         "",
@@ -80,6 +82,21 @@ def render(stats: dict, args: argparse.Namespace, skipped: dict[str, str], reque
     return "\n".join(lines)
 
 
+def _merged(first: dict, second: dict) -> dict:
+    """The counts of two runs of one seed (episodes [0, n) and [n, m)) as one."""
+    out: dict = {"episodes": first["episodes"] + second["episodes"]}
+    for key in ("by_backend", "by_op", "faults", "checks", "notes"):
+        merged = dict(first.get(key, {}))
+        for k, v in second.get(key, {}).items():
+            merged[k] = merged.get(k, 0) + v
+        out[key] = merged
+    out["violations"] = list(first.get("violations", [])) + list(second.get("violations", []))
+    out["seconds"] = first.get("seconds", 0) + second.get("seconds", 0)
+    out["requested"] = out["episodes"]
+    out["runs"] = [first.get("episodes"), second.get("episodes")]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--episodes", type=int, default=10000)
@@ -99,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the counts here too")
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--progress", type=int, default=200, help="print a line every N episodes")
+    ap.add_argument(
+        "--continue-from",
+        default=None,
+        help="the --json of an earlier run of the same seed that ended (budget) before --start: the report "
+        "counts both runs together",
+    )
     args = ap.parse_args(argv)
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -137,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         result = stats.to_dict()
         skipped = dict(soak.skipped)
+    if args.continue_from:
+        result = _merged(json.loads(Path(args.continue_from).read_text()), result)
     print(json.dumps({k: v for k, v in result.items() if k != "violations"}, indent=1), flush=True)
     print(f"violations: {len(result['violations'])}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if not args.no_report:
+        requested = result.get("requested", args.episodes)
         harness.write_report_section(
-            args.out, "soak", "scripts/soak.py", render(result, args, skipped, args.episodes)
+            args.out, "soak", "scripts/soak.py", render(result, args, skipped, requested)
         )
         print(f"updated {args.out}", flush=True)
     return 1 if result["violations"] else 0
