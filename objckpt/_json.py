@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
@@ -70,6 +71,15 @@ def _reject_constant(name: str) -> Any:
     raise Invalid(f"non-finite number {name} is not allowed")
 
 
+def _finite_float(text: str) -> float:
+    # "1e999" is valid JSON but parses to inf, which canonical JSON (the self-checksum) cannot
+    # encode: refuse it here, as NaN/Infinity are, instead of failing later with a ValueError
+    value = float(text)
+    if not math.isfinite(value):
+        raise Invalid(f"number {text[:40]} is out of range")
+    return value
+
+
 def load_json(data: bytes, key: str, what: str) -> dict[str, Any]:
     """Parse untrusted bytes as one JSON object (never anything that can run code)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -78,7 +88,12 @@ def load_json(data: bytes, key: str, what: str) -> dict[str, Any]:
         raise ManifestError(f"{what} {key!r}: {len(data)} bytes is too large", key=key)
     try:
         text = bytes(data).decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+        obj = json.loads(
+            text,
+            object_pairs_hook=_reject_duplicates,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+        )
     except Invalid as exc:
         raise ManifestError(f"{what} {key!r} is not valid: {exc}", key=key) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

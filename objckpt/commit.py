@@ -9,6 +9,7 @@ advances ``LATEST`` forward-only by compare-and-swap. It never deletes anything.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -25,7 +26,7 @@ from .errors import (
 )
 from .manifest import Manifest, Pointer, Reference, ShardReceipt
 from .reader import Reader
-from .store.base import PutMode, Store
+from .store.base import PutMode, Store, time_budget
 
 __all__ = ["Coordinator", "RankReport", "advance_pointer"]
 
@@ -332,7 +333,12 @@ class Coordinator:
                 )
                 fail(ref, why)
                 continue
-            if (entry.key, entry.size, entry.version, entry.crc32c) != (ref.key, ref.size, ref.version, ref.crc32c):
+            if (entry.key, entry.size, entry.version, entry.crc32c) != (
+                ref.key,
+                ref.size,
+                ref.version,
+                ref.crc32c,
+            ):
                 fail(ref, f"checkpoint {ref.origin} did not commit it with this size, version and CRC32C")
                 continue
             parsed = layout.parse_shard_key(ref.key)
@@ -418,49 +424,39 @@ class Coordinator:
         advance_pointer(self.store, Pointer.for_manifest(manifest), retries=self.pointer_retries)
 
 
-def advance_pointer(store: Store, pointer: Pointer, *, retries: int = 50) -> bool:
+def advance_pointer(
+    store: Store, pointer: Pointer, *, retries: int = 50, budget: float | None = None
+) -> bool:
     """Move ``LATEST`` to ``pointer`` unless it already names a ``(timeline, step)`` >= ours
     (invariant 8: forward only, by compare-and-swap, so a stale or zombie coordinator -- on this
     timeline or an older one -- can never move it backwards or lose a concurrent update).
+
+    Bounded in time as well as in rounds: every request of every round shares one time budget
+    (``budget`` seconds, default the store's retry deadline), so neither a storm of competing
+    writers nor a slow or flapping store can hold the commit up for more than one budget (each
+    request would otherwise get a fresh budget in every round: up to ``3 x retries`` of them).
 
     Returns whether the pointer now names ``pointer``. Never raises: the checkpoint is committed
     (or the timeline claimed) already, and readers roll forward over a pointer that lags behind.
     """
     new = pointer.encode()
     key = layout.POINTER_KEY
+    seconds = store.retry.deadline if budget is None else budget
+    started = time.monotonic()
     try:
-        for _ in range(retries):
-            # HEAD before GET: if the pointer changes in between, the GET sees a newer value
-            # than the version we hold, and the CAS below fails and we re-read. The other
-            # order could decide on old data and then swap a newer pointer away.
-            try:
-                current_version = store.head(key).version
-            except NotFoundError:
-                current_version = None
-            current: Pointer | None = None
-            if current_version is not None:
-                try:
-                    current = Pointer.decode(store.get(key), key=key)
-                except NotFoundError:
-                    continue  # deleted between HEAD and GET: start over
-                except ManifestError as exc:
-                    log.warning("replacing corrupt pointer %s: %s", key, exc)
-            if current is not None and current.ref >= pointer.ref:
-                # Forward only: a newer (or this same) checkpoint is already published.
-                return current.ref == pointer.ref
-            mode = PutMode.CREATE if current_version is None else PutMode.update(current_version)
-            try:
-                store.put(key, new, mode=mode)
-                return True
-            except (PreconditionFailedError, AlreadyExistsError):
-                continue  # a concurrent coordinator moved it: re-read and decide again
+        with time_budget(seconds):
+            moved, rounds = _cas_rounds(store, key, pointer, new, retries, started, seconds)
+        if moved is not None:
+            return moved
         log.warning(
-            "timeline %d step %d is published but %s was not advanced after %d compare-and-swap rounds; "
-            "readers roll forward to it",
+            "timeline %d step %d is published but %s was not advanced after %d compare-and-swap rounds "
+            "over %.1f s of a %g s budget; readers roll forward to it",
             pointer.timeline,
             pointer.step,
             key,
-            retries,
+            rounds,
+            time.monotonic() - started,
+            seconds,
         )
     except StoreError as exc:
         log.warning(
@@ -471,6 +467,43 @@ def advance_pointer(store: Store, pointer: Pointer, *, retries: int = 50) -> boo
             exc,
         )
     return False
+
+
+def _cas_rounds(
+    store: Store, key: str, pointer: Pointer, new: bytes, retries: int, started: float, seconds: float
+) -> tuple[bool | None, int]:
+    """The compare-and-swap rounds: (``True``/``False`` when decided, ``None`` when out of
+    rounds or of time; the rounds run)."""
+    rounds = 0
+    while rounds < retries:
+        if rounds and time.monotonic() - started >= seconds:
+            break  # the budget is spent: start no new round
+        rounds += 1
+        # HEAD before GET: if the pointer changes in between, the GET sees a newer value
+        # than the version we hold, and the CAS below fails and we re-read. The other
+        # order could decide on old data and then swap a newer pointer away.
+        try:
+            current_version = store.head(key).version
+        except NotFoundError:
+            current_version = None
+        current: Pointer | None = None
+        if current_version is not None:
+            try:
+                current = Pointer.decode(store.get(key), key=key)
+            except NotFoundError:
+                continue  # deleted between HEAD and GET: start over
+            except ManifestError as exc:
+                log.warning("replacing corrupt pointer %s: %s", key, exc)
+        if current is not None and current.ref >= pointer.ref:
+            # Forward only: a newer (or this same) checkpoint is already published.
+            return current.ref == pointer.ref, rounds
+        mode = PutMode.CREATE if current_version is None else PutMode.update(current_version)
+        try:
+            store.put(key, new, mode=mode)
+            return True, rounds
+        except (PreconditionFailedError, AlreadyExistsError):
+            continue  # a concurrent coordinator moved it: re-read and decide again
+    return None, rounds
 
 
 def _rank_of(key: str, attempt_prefix: str) -> int:

@@ -26,12 +26,12 @@ TIMELINE_PREFIX = "timelines/"
 QUARANTINE_PREFIX = "quarantine/"
 DATA_PREFIX = "data/"
 
-_MANIFEST_RE = re.compile(r"^manifests/(?:t(\d{10})-)?(\d{20})\.json$")
-_TIMELINE_RE = re.compile(r"^timelines/(\d{10})\.json$")
-_QUARANTINE_RE = re.compile(r"^quarantine/(\d{10})-(\d{20})\.json$")
+_MANIFEST_RE = re.compile(r"^manifests/(?:t(\d{10})-)?(\d{20})\.json\Z", re.ASCII)
+_TIMELINE_RE = re.compile(r"^timelines/(\d{10})\.json\Z", re.ASCII)
+_QUARANTINE_RE = re.compile(r"^quarantine/(\d{10})-(\d{20})\.json\Z", re.ASCII)
 MAX_TIMELINE = 10**10 - 1
-_ATTEMPT_RE = re.compile(r"^data/(\d{20})-([0-9a-f]{16})/$")
-_ATTEMPT_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+_ATTEMPT_RE = re.compile(r"^data/(\d{20})-([0-9a-f]{16})/\Z", re.ASCII)
+_ATTEMPT_ID_RE = re.compile(r"^[0-9a-f]{16}\Z", re.ASCII)
 MAX_STEP = 10**20 - 1
 
 
@@ -76,6 +76,11 @@ def parse_manifest_key(key: str) -> tuple[int, int] | None:
     """``(timeline, step)`` a manifest key names, or None if ``key`` is not a manifest key."""
     m = _MANIFEST_RE.match(key)
     if not m:
+        return None
+    if m.group(1) is not None and int(m.group(1)) == 0:
+        # timeline 0's key has no 't' part: 'manifests/t0000000000-<step>.json' is not a
+        # manifest key (it would name the same checkpoint as 'manifests/<step>.json' and, sorting
+        # after it, replace it in a listing)
         return None
     return (int(m.group(1)) if m.group(1) is not None else 0, int(m.group(2)))
 
@@ -124,7 +129,7 @@ def rank_prefix(step: int, attempt: str, rank: int) -> str:
     return f"{attempt_prefix(step, attempt)}{rank:05d}/"
 
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*\Z", re.ASCII)
 
 
 def shard_key(step: int, attempt: str, rank: int, name: str) -> str:
@@ -138,7 +143,7 @@ def shard_key(step: int, attempt: str, rank: int, name: str) -> str:
     return rank_prefix(step, attempt, rank) + name
 
 
-_SHARD_RE = re.compile(r"^data/(\d{20})-([0-9a-f]{16})/(\d{5})/(.+)$")
+_SHARD_RE = re.compile(r"^data/(\d{20})-([0-9a-f]{16})/(\d{5})/(.+)\Z", re.ASCII)
 
 
 def parse_shard_key(key: str) -> tuple[int, str, int, str] | None:

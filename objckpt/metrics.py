@@ -54,6 +54,7 @@ __all__ = [
     "JsonLogCallback",
     "MetricsCallback",
     "MetricsEvent",
+    "MirrorEvent",
     "PrometheusExporter",
     "RestartEvent",
     "RestoreEvent",
@@ -125,6 +126,8 @@ class RestoreEvent(MetricsEvent):
     seconds: float | None = None
     bytes: int | None = None
     fell_back_from: int | None = None
+    #: "primary", or "mirror" when the checkpoint was read from the mirror run root
+    source: str = "primary"
     kind = "restore"
 
 
@@ -142,6 +145,17 @@ class RetryEvent(MetricsEvent):
     error: str
     attempt: int
     kind = "retry"
+
+
+@dataclass(frozen=True)
+class MirrorEvent(MetricsEvent):
+    """A committed checkpoint was replicated to the mirror run root (``mirror=``);
+    ``lag_seconds``: from the primary's commit to the mirror's."""
+
+    step: int
+    lag_seconds: float
+    bytes: int = 0
+    kind = "mirror"
 
 
 @dataclass(frozen=True)
@@ -165,6 +179,7 @@ class MetricsCallback(Protocol):
     def on_validation_failure(self, event: ValidationFailureEvent) -> None: ...
     def on_retry(self, event: RetryEvent) -> None: ...
     def on_restart(self, event: RestartEvent) -> None: ...
+    def on_mirror(self, event: MirrorEvent) -> None: ...
 
 
 class BaseMetricsCallback:
@@ -189,6 +204,9 @@ class BaseMetricsCallback:
         pass
 
     def on_restart(self, event: RestartEvent) -> None:
+        pass
+
+    def on_mirror(self, event: MirrorEvent) -> None:
         pass
 
 
@@ -252,6 +270,14 @@ class _State:
     restarts: int = 0
     restores: int = 0
     last_restored_step: int | None = None
+    mirrored_step: int | None = None
+    mirror_lag: float | None = None  # of the last replication
+    mirror_pending_step: int | None = None
+    mirror_pending_since: float | None = None  # commit time of the oldest unmirrored commit
+    mirrored: int = 0
+    restores_from_mirror: int = 0
+    mirror_failures: int = 0
+    mirror_skipped: int = 0
     phases: dict[str, _PhaseStats] = field(default_factory=dict)
 
 
@@ -382,11 +408,14 @@ class CheckpointMetrics:
         seconds: float | None = None,
         bytes: int | None = None,  # noqa: A002
         fell_back_from: int | None = None,
+        source: str = "primary",
     ) -> None:
         """Training resumed from ``step``; ``fell_back_from`` names a newer step that was rejected."""
         with self._lock:
             s = self._state
             s.restores += 1
+            if source != "primary":
+                s.restores_from_mirror += 1
             s.last_restored_step = step
             s.current_step = step
             # The restored checkpoint is the one at risk-free baseline from now on.
@@ -397,7 +426,8 @@ class CheckpointMetrics:
             if seconds is not None:
                 s.phases.setdefault("restore", _PhaseStats()).add(seconds)
         self._dispatch(
-            "on_restore", RestoreEvent(self.clock(), self.run, step, attempt, seconds, bytes, fell_back_from)
+            "on_restore",
+            RestoreEvent(self.clock(), self.run, step, attempt, seconds, bytes, fell_back_from, source),
         )
 
     def record_validation_failure(self, reason: str, *, step: int | None = None, key: str = "") -> None:
@@ -421,6 +451,48 @@ class CheckpointMetrics:
         with self._lock:
             self._state.restarts += 1
         self._dispatch("on_restart", RestartEvent(self.clock(), self.run, step, reason))
+
+    def record_mirror_pending(self, step: int, committed_at: float) -> None:
+        """Checkpoint ``step`` (committed at epoch ``committed_at``) waits for the mirror."""
+        with self._lock:
+            s = self._state
+            s.mirror_pending_step = step
+            if s.mirror_pending_since is None or committed_at < s.mirror_pending_since:
+                s.mirror_pending_since = committed_at
+
+    def record_mirror(self, step: int, *, lag_seconds: float, bytes: int = 0) -> None:  # noqa: A002
+        """Checkpoint ``step`` is on the mirror, ``lag_seconds`` after its primary commit."""
+        with self._lock:
+            s = self._state
+            s.mirrored_step, s.mirror_lag = step, lag_seconds
+            s.mirrored += 1
+            if s.mirror_pending_step is None or s.mirror_pending_step <= step:
+                s.mirror_pending_step = s.mirror_pending_since = None
+        self._dispatch("on_mirror", MirrorEvent(self.clock(), self.run, step, lag_seconds, bytes))
+
+    def record_mirror_failure(self, step: int, error: BaseException | str) -> None:
+        """Replicating ``step`` to the mirror failed (it stays pending for the lag)."""
+        with self._lock:
+            self._state.mirror_failures += 1
+        etype = type(error).__name__ if isinstance(error, BaseException) else "Error"
+        self._dispatch(
+            "on_failure", FailureEvent(self.clock(), self.run, step, "", "mirror", etype, str(error))
+        )
+
+    def record_mirror_skipped(self, step: int) -> None:
+        """``step`` was replaced by a newer commit before the mirror copied it."""
+        with self._lock:
+            self._state.mirror_skipped += 1
+
+    def mirror_lag(self) -> float | None:
+        """Replication lag in seconds: how long the oldest commit not yet on the mirror has been
+        waiting (growing until the mirror catches up), else the last replication's lag;
+        ``None`` before anything was mirrored or queued."""
+        with self._lock:
+            s = self._state
+            if s.mirror_pending_since is not None:
+                return max(0.0, self.clock() - s.mirror_pending_since, s.mirror_lag or 0.0)
+            return s.mirror_lag
 
     def observe_step(self, step: int, *, seconds: float | None = None) -> None:
         """Training reached ``step``; ``seconds`` is that step's duration (updates the estimate)."""
@@ -470,6 +542,7 @@ class CheckpointMetrics:
         """Every recorded value as a JSON-serialisable dict."""
         since = self.time_since_last_commit()
         risk_steps, risk_seconds = self.work_at_risk()
+        lag = self.mirror_lag()
         with self._lock:
             s = self._state
             return {
@@ -493,6 +566,13 @@ class CheckpointMetrics:
                 "restarts": s.restarts,
                 "restores": s.restores,
                 "last_restored_step": s.last_restored_step,
+                "mirror_lag_seconds": lag,
+                "mirrored_step": s.mirrored_step,
+                "mirror_pending_step": s.mirror_pending_step,
+                "mirrored": s.mirrored,
+                "restores_from_mirror": s.restores_from_mirror,
+                "mirror_failures": s.mirror_failures,
+                "mirror_skipped": s.mirror_skipped,
                 "phases": {
                     name: {"count": p.count, "total_seconds": p.total, "last_seconds": p.last}
                     for name, p in sorted(s.phases.items())
@@ -652,6 +732,14 @@ class PrometheusExporter:
             "step_seconds", "Running estimate of one training step's duration.", snap["step_seconds"]
         )
         yield from gauge(
+            "mirror_lag_seconds",
+            "Seconds the oldest commit not yet on the mirror has waited (else the last replication's lag).",
+            snap["mirror_lag_seconds"],
+        )
+        yield from gauge(
+            "mirrored_step", "Step of the newest checkpoint on the mirror.", snap["mirrored_step"]
+        )
+        yield from gauge(
             "last_save_bytes", "Bytes written by the last committed save.", snap["last_save_bytes"]
         )
         yield from gauge(
@@ -685,6 +773,8 @@ class PrometheusExporter:
         yield counter("store_retries", "Store requests retried after transient errors.", snap["retries"])
         yield counter("restarts", "Job restarts.", snap["restarts"])
         yield counter("restores", "Restores from a checkpoint.", snap["restores"])
+        yield counter("mirrored", "Checkpoints replicated to the mirror.", snap["mirrored"])
+        yield counter("mirror_failures", "Replications to the mirror that failed.", snap["mirror_failures"])
         if snap["last_committed_attempt"] is not None:
             info = GaugeMetricFamily(
                 f"{ns}_last_committed_info",

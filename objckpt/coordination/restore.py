@@ -17,6 +17,27 @@ staged result. The session decides what must be the same on every rank:
    permission or configuration error, a policy refusal, a checkpoint that does not fit the
    live state -- is raised on every rank and never causes a fallback.
 4. Every rank applies what it staged, and the ranks check that all restored the same step.
+
+**Mirror** (``mirror=``, the second run root :mod:`.mirror` replicates every commit to): rank 0
+consults it only when the primary cannot give the newest checkpoint, so a healthy primary costs
+no request to the mirror:
+
+* the primary's resolution (or the listing of its candidates) raises a store error that is not
+  damage -- unreachable past its retry budget, permission, a missing bucket -- and the mirror is
+  asked instead of raising (without a mirror that error is raised, as before);
+* a checkpoint of the primary is damaged, or every candidate on the primary is used up: from then
+  on the candidates of both roots are taken newest step first (the primary's at equal steps),
+  so the mirror's intact copy of the very step that is damaged on the primary, or a newer one,
+  wins over an older checkpoint of the primary. While the primary is reachable, a mirror
+  checkpoint is a candidate only when the primary checkpoint it was copied from is on the
+  primary's head line (never a step the primary has rolled back from).
+
+Every rank then stages from the mirror's manifest (the proposal says which root it comes from,
+and :attr:`RestoreSession.reader` is that root's reader: adapters stage through it), and the
+restore says so loudly (a warning on every rank, ``Restored.source == "mirror"``, the metrics'
+restore event). Where the next save continues on the primary is the primary checkpoint the
+mirror's copy was made from (looked up on the primary when it is reachable); when the primary
+cannot be read, the next save resolves the primary's head itself.
 """
 
 from __future__ import annotations
@@ -25,12 +46,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .. import layout
 from ..errors import (
     DistributedError,
     NoCheckpointError,
+    StoreError,
     decode_error,
     describe,
     encode_error,
@@ -61,11 +83,13 @@ class Restored(Generic[T]):
         manifest: the checkpoint restored (the same on every rank).
         value: what this rank's ``stage`` returned for it.
         fallbacks: ``(step, reason)`` of every newer checkpoint rejected as damaged first.
+        source: ``"primary"``, or ``"mirror"`` when the checkpoint came from the mirror run root.
     """
 
     manifest: Manifest
     value: T
     fallbacks: list[tuple[int, str]] = field(default_factory=list)
+    source: str = "primary"
 
     @property
     def step(self) -> int:
@@ -80,6 +104,13 @@ class RestoreSession:
         comm: the job's communicator.
         metrics: fed with restores, validation failures and restarts; ``None`` costs nothing.
         label: how the adapter names a restore in messages.
+        mirror: the mirror run root (every rank passes the same one, or none); consulted by
+            rank 0 only when the primary cannot give a checkpoint (see the module doc).
+
+    Attributes:
+        reader: the reader of the run root the checkpoint being staged comes from (the
+            primary's, or the mirror's for a checkpoint taken from the mirror): a ``stage``
+            callback reads the manifest's shards through it.
     """
 
     def __init__(
@@ -89,12 +120,20 @@ class RestoreSession:
         *,
         metrics: CheckpointMetrics | None = None,
         label: str = "restore",
+        mirror: Store | None = None,
     ) -> None:
         self.store = store
         self.comm = comm
         self.metrics = metrics
         self.label = label
-        self.reader = Reader(store)
+        self.mirror = mirror
+        self.primary_reader = Reader(store)
+        self.mirror_reader = Reader(mirror) if mirror is not None else None
+        self.reader = self.primary_reader
+        self.source = "primary"
+        #: a non-damage error of the primary found just before (e.g. by the adapter's store
+        #: check): the next restore asks the mirror without trying the primary again (once)
+        self.primary_down: BaseException | None = None
 
     def restore(
         self,
@@ -129,19 +168,16 @@ class RestoreSession:
         hello = {
             "step": step,
             "root": self.store.location,
+            "mirror": self.mirror.location if self.mirror is not None else None,
             "error": encode_error(error) if error is not None else None,
         }
         agree(comm, hello, _decide_handshake, f"{self.label} handshake", handshake=True)
+        self.reader, self.source = self.primary_reader, "primary"
 
-        candidates: Iterator[Manifest] | None = None
-        head: Head | None = None
-        if comm.rank == 0:
-            head = self.reader.head()
-            if step is None:
-                candidates = self.reader.manifests(head)
+        sources = _Sources(self, step) if comm.rank == 0 else None
         fallbacks: list[tuple[int, str]] = []
         while True:
-            manifest = self._propose(candidates, step, fallbacks)
+            manifest = self._propose(sources, step, fallbacks)
             if manifest is None:
                 return None
             staged: T | None = None
@@ -163,19 +199,20 @@ class RestoreSession:
             why = "; ".join(f"rank {r}: {m}" for r, m in sorted(damaged.items(), key=lambda kv: int(kv[0])))
             if self.metrics is not None:
                 self.metrics.record_validation_failure(why, step=manifest.step, key=manifest.key)
-            if step is not None:  # an explicit step: no fallback
+            if step is not None and (self.mirror is None or self.source == "mirror"):
+                # an explicit step: no fallback (but the mirror's copy of it, once)
                 raise NoCheckpointError(
-                    f"checkpoint step {manifest.step} is damaged (under {self.store.location}): {why}"
+                    f"checkpoint step {manifest.step} is damaged (under {self.reader.store.location}): {why}"
                 )
             log.warning(
-                "rejecting checkpoint step %d (%s under %s): it is damaged; all ranks fall back to an "
-                "older one: %s",
+                "rejecting checkpoint step %d (%s under %s): it is damaged; all ranks fall back to %s: %s",
                 manifest.step,
                 manifest.key,
-                self.store.location,
+                self.reader.store.location,
+                "its copy on the mirror" if step is not None else "an older one",
                 why,
             )
-            fallbacks.append((manifest.step, why))
+            fallbacks.append((manifest.step, why if self.source == "primary" else f"(mirror) {why}"))
 
         apply_error: dict[str, object] | None = None
         if apply is not None:
@@ -190,17 +227,30 @@ class RestoreSession:
             _decide_restored,
             f"{self.label}(step={manifest.step}) agreement",
         )
-        self._record_position(manifest, head, step, fallbacks)
+        head = sources.head if sources is not None else None
+        if self.source == "mirror":
+            self._record_mirror_position(manifest, sources, step)
+        else:
+            self._record_position(manifest, head, step, fallbacks)
         if self.metrics is not None:
             self.metrics.record_restore(
                 manifest.step,
                 manifest.attempt,
                 seconds=time.monotonic() - started,
                 fell_back_from=fallbacks[0][0] if fallbacks else None,
+                source=self.source,
             )
             self.metrics.record_restart(step=manifest.step, reason="resumed from a checkpoint")
-        log.info("restored checkpoint step %d from %s", manifest.step, self.store.location)
-        return Restored(manifest, staged, fallbacks)  # type: ignore[arg-type]
+        if self.source == "mirror":
+            log.warning(
+                "RESTORED FROM THE MIRROR: checkpoint step %d was read from %s, not from the primary %s",
+                manifest.step,
+                self.reader.store.location,
+                self.store.location,
+            )
+        else:
+            log.info("restored checkpoint step %d from %s", manifest.step, self.store.location)
+        return Restored(manifest, staged, fallbacks, self.source)  # type: ignore[arg-type]
 
     def _record_position(
         self, manifest: Manifest, head: Head | None, step: int | None, fallbacks: list[tuple[int, str]]
@@ -214,7 +264,7 @@ class RestoreSession:
             if manifest.key == head.key:
                 decision = {"timeline": head.timeline}
             else:
-                abandoned = [r for r in self.reader.line() if r > manifest.ref]
+                abandoned = [r for r in self.primary_reader.line() if r > manifest.ref]
                 decision = {
                     "timeline": None,
                     "reason": "fallback" if step is None else "restore",
@@ -239,24 +289,71 @@ class RestoreSession:
                 self.store.location,
             )
 
+    def _record_mirror_position(self, manifest: Manifest, sources: _Sources | None, step: int | None) -> None:
+        """After a restore from the mirror: the next save continues on the primary from the
+        primary checkpoint the mirror's copy was made from, when rank 0 can read it there; else
+        the next save resolves the primary's head itself (nothing recorded)."""
+        from .mirror import source_checksum, source_ref
+
+        found: Manifest | None = None
+        decision: dict[str, object] = {"found": False}
+        if self.comm.rank == 0:
+            assert sources is not None
+            src = source_ref(manifest)
+            if sources.primary_down is None and src is not None:
+                try:
+                    candidate = self.primary_reader.load(src[1], src[0])
+                    if source_checksum(manifest) in (None, candidate.checksum):
+                        found = candidate
+                except Exception as exc:  # noqa: BLE001 - only where the next save continues
+                    log.warning("cannot find step %s on the primary %s: %s", src, self.store.location, exc)
+            if found is not None:
+                head = sources.head
+                decision = {"found": True, "head": head is not None and found.key == head.key}
+        decision = self.comm.broadcast(decision, f"{self.label}(step={manifest.step}) mirror lineage")
+        if not decision.get("found"):
+            lineage.forget(self.store)
+            log.warning(
+                "restored step %d from the mirror while the primary %s could not be read: the next save "
+                "there continues from the primary's head as it resolves it then",
+                manifest.step,
+                self.store.location,
+            )
+            return
+        body = self.comm.broadcast_bytes(
+            found.encode() if found is not None else None, f"{self.label}(step={manifest.step}) primary base"
+        )
+        base = Manifest.decode(body, key=_key_of(body))
+        if decision.get("head"):
+            lineage.record(
+                self.store, lineage.Position(base, base.timeline if step is None else None, restored=True)
+            )
+        else:
+            lineage.record(
+                self.store,
+                lineage.Position(base, None, "fallback" if step is None else "restore", restored=True),
+            )
+
     # ------------------------------------------------------------------ resolution (rank 0)
 
     def _propose(
-        self, candidates: Iterator[Manifest] | None, step: int | None, fallbacks: list[tuple[int, str]]
+        self, sources: _Sources | None, step: int | None, fallbacks: list[tuple[int, str]]
     ) -> Manifest | None:
-        """Rank 0 resolves the next checkpoint to try and sends its bytes; the others decode
-        and validate them (no request to the store)."""
+        """Rank 0 resolves the next checkpoint to try (and the root it comes from) and sends its
+        bytes; the others decode and validate them (no request to the store)."""
         comm = self.comm
         proposal: dict[str, object] = {}
         body: bytes | None = None
         if comm.rank == 0:
+            assert sources is not None
             try:
-                manifest = self._next(candidates, step, fallbacks)
-                if manifest is None:
+                picked = sources.next(fallbacks)
+                if picked is None:
                     proposal = {"none": True}
                 else:
+                    manifest, source = picked
                     body = manifest.encode()
-                    proposal = {"step": manifest.step, "timeline": manifest.timeline}
+                    proposal = {"step": manifest.step, "timeline": manifest.timeline, "source": source}
             except Exception as exc:  # noqa: BLE001 - raised on every rank
                 proposal = {"error": encode_error(exc)}
         proposal = comm.broadcast(proposal, f"{self.label} proposal")
@@ -266,31 +363,229 @@ class RestoreSession:
             return None
         target = int(proposal["step"])  # type: ignore[call-overload]
         timeline = int(proposal.get("timeline", 0))  # type: ignore[call-overload]
+        source = str(proposal.get("source", "primary"))
+        if source == "mirror":
+            if self.mirror_reader is None:  # the handshake checked every rank has the same mirror
+                raise DistributedError(f"rank {comm.rank} has no mirror to restore step {target} from")
+            self.reader, self.source = self.mirror_reader, "mirror"
+        else:
+            self.reader, self.source = self.primary_reader, "primary"
         data = comm.broadcast_bytes(body, f"{self.label}(step={target}) manifest")
         # Every rank validates what it received (schema, keys, self-checksum): a manifest that
         # was corrupted on the way is refused, never used.
         return Manifest.decode(data, key=layout.manifest_key(target, timeline))
 
-    def _next(
-        self, candidates: Iterator[Manifest] | None, step: int | None, fallbacks: list[tuple[int, str]]
-    ) -> Manifest | None:
-        if step is not None:
-            if fallbacks:
-                return None  # unreachable: an explicit step raises instead of falling back
-            return self.reader.load(step)  # NoCheckpointError / ManifestError: raised everywhere
-        assert candidates is not None
-        manifest = next(candidates, None)
-        if manifest is not None:
-            return manifest
-        steps = self.reader.steps()
+
+_UNSET: object = object()
+
+
+class _Sources:
+    """Rank 0's candidates, from the primary and (when it cannot give one) the mirror."""
+
+    def __init__(self, session: RestoreSession, step: int | None) -> None:
+        self.session = session
+        self.step = step
+        self.primary = session.primary_reader
+        self.mirror = session.mirror_reader
+        self.head: Head | None = None
+        #: the primary's non-damage error when it could not be read (only with a mirror)
+        self.primary_down: BaseException | None = None
+        self._primary: Iterator[Manifest] | None = None
+        self._mirror: Iterator[Manifest] | None = None
+        self._p: Any = _UNSET  # the peeked candidate (None: exhausted)
+        self._q: Any = _UNSET
+        self._line: Any = None  # the primary's head line (for mirror candidates)
+        self._announced = False
+        self._resolved = False
+        self._explicit_tried: set[str] = set()
+
+    def _resolve_primary(self) -> None:
+        """The primary's head (and, for the newest usable, its candidates); once, lazily, inside
+        the proposal, so an error reaches every rank."""
+        if self._resolved:
+            return
+        self._resolved = True
+        known, self.session.primary_down = self.session.primary_down, None
+        if known is not None and self.mirror is not None:
+            self._primary_failed(known)
+            return
+        try:
+            self.head = self.primary.head()
+            if self.step is None:
+                self._primary = self.primary.manifests(self.head)
+        except Exception as exc:  # noqa: BLE001 - classified: only a non-damage store error switches
+            self._primary_failed(exc)
+
+    def _primary_failed(self, exc: BaseException) -> None:
+        if self.mirror is None or not isinstance(exc, StoreError) or is_damage(exc):
+            raise exc
+        self.primary_down = exc
+        self._primary = None
+        self._p = None
+        log.warning(
+            "the primary run root %s cannot be read (%s); asking the mirror %s instead",
+            self.session.store.location,
+            exc,
+            self.mirror.store.location,
+        )
+
+    # -- explicit step
+
+    def _next_explicit(self, fallbacks: list[tuple[int, str]]) -> tuple[Manifest, str] | None:
+        """``step`` from the primary; its mirror copy when the primary cannot be read, has no
+        intact manifest for it, or its shards turned out damaged (once)."""
+        assert self.step is not None
+        if "primary" not in self._explicit_tried:
+            self._explicit_tried.add("primary")
+            self._resolve_primary()
+            if self.primary_down is None:
+                try:
+                    return self.primary.load(self.step), "primary"  # NoCheckpointError / ManifestError
+                except Exception as exc:  # noqa: BLE001 - classified
+                    if self.mirror is None or not (is_damage(exc) or isinstance(exc, NoCheckpointError)):
+                        self._primary_failed(exc)  # raises without a mirror
+                    else:
+                        self._explicit_error = exc
+        if self.mirror is not None and "mirror" not in self._explicit_tried:
+            self._explicit_tried.add("mirror")
+            try:
+                found = self.mirror.load(self.step)
+            except Exception as exc:  # noqa: BLE001 - the primary's error says more
+                primary = self.primary_down or getattr(self, "_explicit_error", None)
+                if primary is not None:
+                    log.warning("the mirror has no usable step %d either: %s", self.step, exc)
+                    raise primary from None
+                if fallbacks:
+                    raise NoCheckpointError(
+                        f"checkpoint step {self.step} is damaged under {self.session.store.location} "
+                        f"({fallbacks[0][1]}) and the mirror has no usable copy: {exc}"
+                    ) from None
+                raise
+            log.warning(
+                "RESTORING FROM THE MIRROR %s: step %d, because the primary %s",
+                self.mirror.store.location,
+                self.step,
+                f"cannot be read ({self.primary_down})"
+                if self.primary_down is not None
+                else "has no intact copy",
+            )
+            return found, "mirror"
+        return None
+
+    # -- newest usable
+
+    def next(self, fallbacks: list[tuple[int, str]]) -> tuple[Manifest, str] | None:
+        if self.step is not None:
+            return self._next_explicit(fallbacks)
+        self._resolve_primary()
+        p = self._peek_primary()
+        if self.mirror is None:
+            if p is not None:
+                self._p = _UNSET
+                return p, "primary"
+            self._exhausted(fallbacks)
+            return None
+        if p is not None and not fallbacks and self.primary_down is None:
+            self._p = _UNSET
+            return p, "primary"  # the healthy path: the mirror is not asked
+        q = self._peek_mirror()
+        if p is not None and (q is None or p.step >= q.step):
+            self._p = _UNSET
+            return p, "primary"
+        if q is not None:
+            self._q = _UNSET
+            if not self._announced:
+                self._announced = True
+                why = (
+                    f"the primary cannot be read ({self.primary_down})"
+                    if self.primary_down is not None
+                    else "the primary has no intact checkpoint as new as the mirror's"
+                    + (f" (damaged there: {', '.join(str(s) for s, _ in fallbacks)})" if fallbacks else "")
+                )
+                log.warning(
+                    "RESTORING FROM THE MIRROR %s: step %d, because %s",
+                    self.mirror.store.location,
+                    q.step,
+                    why,
+                )
+            return q, "mirror"
+        if self.primary_down is not None:
+            log.error(
+                "the primary %s cannot be read and the mirror %s holds no usable checkpoint",
+                self.session.store.location,
+                self.mirror.store.location,
+            )
+            raise self.primary_down
+        self._exhausted(fallbacks)
+        return None
+
+    def _peek_primary(self) -> Manifest | None:
+        if self._p is _UNSET:
+            if self._primary is None:
+                self._p = None
+            else:
+                try:
+                    self._p = next(self._primary, None)
+                except Exception as exc:  # noqa: BLE001 - a non-damage store error switches to the mirror
+                    self._primary_failed(exc)
+        return self._p  # type: ignore[no-any-return]
+
+    def _peek_mirror(self) -> Manifest | None:
+        assert self.mirror is not None
+        if self._q is not _UNSET:
+            return self._q  # type: ignore[no-any-return]
+        from .mirror import source_ref
+
+        self._q = None
+        try:
+            if self._mirror is None:
+                self._mirror = self.mirror.manifests()
+            for q in self._mirror:
+                src = source_ref(q)
+                if self.primary_down is None and src is not None and not self._on_primary_line(src):
+                    log.info(
+                        "skipping mirror step %d: its source %s is not on the primary's line", q.step, src
+                    )
+                    continue
+                self._q = q
+                break
+        except Exception as exc:  # noqa: BLE001 - the mirror is the fallback: its failure is logged
+            log.warning("the mirror %s cannot be read either: %s", self.mirror.store.location, exc)
+            self._mirror = iter(())
+        return self._q  # type: ignore[no-any-return]
+
+    def _on_primary_line(self, ref: tuple[int, int]) -> bool:
+        if self._line is None:
+            try:
+                head = self.head or self.primary.head()
+                self._line = self.primary.history.line(head.timeline)
+            except Exception as exc:  # noqa: BLE001 - cannot tell: take the mirror's candidates as they are
+                log.warning(
+                    "cannot read the primary's line (%s): taking the mirror's checkpoints as they are", exc
+                )
+                self._line = False
+        return True if self._line is False else bool(self._line.contains(ref))
+
+    def _exhausted(self, fallbacks: list[tuple[int, str]]) -> None:
+        steps = self.primary.steps()
         if fallbacks or steps:
             detail = "; ".join(f"step {s}: {why}" for s, why in fallbacks) or (
                 "see the warnings logged by objckpt.reader"
             )
+            where = self.session.store.location + (
+                f" (and the mirror {self.mirror.store.location})" if self.mirror is not None else ""
+            )
             raise NoCheckpointError(
-                f"{len(steps)} committed checkpoint(s) under {self.store.location} but none is usable ({detail})"
+                f"{len(steps)} committed checkpoint(s) under {where} but none is usable ({detail})"
             )
         return None
+
+
+def _key_of(body: bytes) -> str:
+    import json
+
+    obj = json.loads(body)
+    return layout.manifest_key(int(obj["step"]), int(obj.get("timeline", 0)))
 
 
 def _decide_handshake(hellos: list[dict[str, object]]) -> None:
@@ -303,6 +598,12 @@ def _decide_handshake(hellos: list[dict[str, object]]) -> None:
         detail = ", ".join(f"rank {r}: {h['step']}" for r, h in enumerate(hellos))
         raise DistributedError(f"ranks asked to restore different steps ({detail})")
     _check_same_root(hellos)
+    for rank, h in enumerate(hellos[1:], start=1):
+        if h.get("mirror") != hellos[0].get("mirror"):
+            raise DistributedError(
+                f"rank {rank} restores with mirror {h.get('mirror')!r} but rank 0 with "
+                f"{hellos[0].get('mirror')!r}: all ranks must be configured with the same mirror"
+            )
 
 
 def _decide_staging(results: list[dict[str, object]]) -> dict[str, object]:

@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import IO, Any
 
 from ..coordination.comm import LocalComm
+from ..coordination.mirror import Mirror, save_session
 from ..coordination.restore import RestoreSession
 from ..coordination.save import SaveSession
 from ..gc import RetentionPolicy
@@ -49,8 +50,12 @@ class PluginSessions:
         config_hash: str | None,
         timeout: float,
         handshake_timeout: float,
+        mirror: Store | None = None,
     ) -> None:
         self.store = store
+        #: the mirror run root (``mirror=`` of the plug-in) and its replicator
+        self.mirror_store = mirror
+        self.mirror: Mirror | None = None
         self.label = label
         self.retention = RetentionPolicy.from_options(keep_last, keep_every)
         self.grace_period = grace_period
@@ -58,13 +63,18 @@ class PluginSessions:
         self.identity = {"config_hash": config_hash} if config_hash is not None else {}
         self.comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
         self._saves: SaveSession | None = None
+        if mirror is not None:
+            self.mirror = Mirror(
+                store, mirror, retention=self.retention, grace_period=grace_period, metrics=metrics
+            )
 
     def saves(self) -> SaveSession:
         comm = self.comm.get()
         if self._saves is None or self._saves.comm is not comm:
-            self._saves = SaveSession(
+            self._saves = save_session(
                 self.store,
                 comm,
+                mirror=self.mirror,
                 retention=self.retention,
                 grace_period=self.grace_period,
                 metrics=self.metrics,
@@ -74,10 +84,18 @@ class PluginSessions:
         return self._saves
 
     def restores(self) -> RestoreSession:
-        return RestoreSession(self.store, self.comm.get(), metrics=self.metrics, label=f"{self.label} load")
+        return RestoreSession(
+            self.store,
+            self.comm.get(),
+            metrics=self.metrics,
+            label=f"{self.label} load",
+            mirror=self.mirror_store,
+        )
 
     def close(self) -> None:
         self._saves = None
+        if self.mirror is not None:
+            self.mirror.wait()  # the last commit reaches the mirror (bounded by the retry budgets)
         self.comm.close()
 
 

@@ -139,6 +139,9 @@ class ObjckptCheckpointEngine(_Base):
     Args:
         uri_or_store: run root URI or Store.
         store_options: options for ``open_store`` when a URI is given.
+        mirror: a second run root (URI or Store: another bucket, region or cloud) every commit
+            is replicated to in the background (``CheckpointManager(mirror=)``); loads take its
+            copy when the primary cannot be read or its checkpoint is damaged, loudly.
         decoupled: upload in the background and commit at the next optimizer step.
         keep_last, keep_every: retention after each commit (rank 0); None keeps everything.
         metadata, config_hash: recorded in every manifest.
@@ -165,10 +168,15 @@ class ObjckptCheckpointEngine(_Base):
         gc_grace_period: timedelta = GC_GRACE_PERIOD,
         spool_bytes: int = _common.DEFAULT_SPOOL_BYTES,
         metrics: CheckpointMetrics | None = None,
+        mirror: str | Store | None = None,
     ) -> None:
         self.name = "ObjckptCheckpointEngine"
         self.store, _ = open_root(uri_or_store, store_options)
         self.reader = Reader(self.store)
+        mirror_store = open_root(mirror)[0] if mirror is not None else None
+        #: tag -> the reader of the root its loaded manifest came from (the mirror's, after a
+        #: restore from the mirror)
+        self._readers: dict[str, Reader] = {}
         self.decoupled = decoupled
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -189,6 +197,7 @@ class ObjckptCheckpointEngine(_Base):
             config_hash=config_hash,
             timeout=timeout,
             handshake_timeout=handshake_timeout,
+            mirror=mirror_store,
         )
         self._pending: _Save | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -365,13 +374,15 @@ class ObjckptCheckpointEngine(_Base):
             except ValueError as exc:
                 raise NoCheckpointError(f"DeepSpeed tag {tag!r} names no committed step: {exc}") from exc
 
+        session = self._sessions.restores()
+
         def stage(manifest: Manifest) -> str:
             chosen = _tag_of(manifest)  # NoCheckpointError (not damage): not a DeepSpeed checkpoint
             if tag is not None and chosen != str(tag):
                 raise NoCheckpointError(
                     f"step {manifest.step} under {self.store.location} holds DeepSpeed tag {chosen!r}, not {tag!r}"
                 )
-            problems = self.reader.check(manifest)
+            problems = session.reader.check(manifest)
             if problems:
                 raise ChecksumMismatchError(
                     f"DeepSpeed tag {chosen} (step {manifest.step}) is damaged: "
@@ -383,6 +394,7 @@ class ObjckptCheckpointEngine(_Base):
         def apply(manifest: Manifest, chosen: str) -> None:
             with self._lock:
                 self._manifests[chosen] = manifest
+                self._readers[chosen] = session.reader
             folder = os.path.join(load_dir, chosen)
             for receipt in manifest.shards:
                 marker = os.path.join(folder, *receipt.name.split("/"))
@@ -390,7 +402,6 @@ class ObjckptCheckpointEngine(_Base):
                 open(marker, "ab").close()  # noqa: SIM115 - an empty marker; never overwrites
             _write_atomic(os.path.join(load_dir, "latest"), chosen)
 
-        session = self._sessions.restores()
         restored = session.restore(stage, apply, step=step)
         return None if restored is None else restored.value
 
@@ -425,8 +436,10 @@ class ObjckptCheckpointEngine(_Base):
             raise FileNotFoundError(
                 f"DeepSpeed checkpoint {tag} (step {manifest.step}) under {self.store.location} has no file {name!r}"
             )
+        with self._lock:
+            reader = self._readers.get(tag, self.reader)
         return _common.torch_load_verified(
-            self.reader.open_shard(receipt),
+            reader.open_shard(receipt),
             allowed=_resolve_globals(self.safe_globals),
             map_location=map_location,
             spool_bytes=self.spool_bytes,

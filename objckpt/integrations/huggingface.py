@@ -87,6 +87,9 @@ class ObjckptCallback(_Base):
     Args:
         uri_or_store: run root URI or Store.
         store_options: options for ``open_store`` when a URI is given.
+        mirror: a second run root (URI or Store: another bucket, region or cloud) every commit
+            is replicated to in the background (``CheckpointManager(mirror=)``); loads take its
+            copy when the primary cannot be read or its checkpoint is damaged, loudly.
         keep_last, keep_every: retention in the store after each commit; None keeps all.
         metadata, config_hash: recorded in every manifest.
         owner_of: ``(relpath, world_size) -> rank`` that uploads a file (:func:`default_owner`).
@@ -112,9 +115,11 @@ class ObjckptCallback(_Base):
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         gc_grace_period: timedelta = GC_GRACE_PERIOD,
         metrics: CheckpointMetrics | None = None,
+        mirror: str | Store | None = None,
     ) -> None:
         self.store, _ = open_root(uri_or_store, store_options)
         self.reader = Reader(self.store)
+        self.mirror_store = open_root(mirror)[0] if mirror is not None else None
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.metadata = dict(metadata or {})
@@ -132,6 +137,7 @@ class ObjckptCallback(_Base):
             config_hash=config_hash,
             timeout=timeout,
             handshake_timeout=handshake_timeout,
+            mirror=self.mirror_store,
         )
         #: the manifest of the last commit (every rank)
         self.last_manifest: Manifest | None = None
@@ -226,6 +232,7 @@ def download_checkpoint(
     shared_dir: bool = False,
     timeout: float = TIMEOUT,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    mirror: str | Store | None = None,
 ) -> str | None:
     """Download a committed Trainer checkpoint into ``<local_dir>/checkpoint-<step>/`` (every
     rank) and return that folder, for ``trainer.train(resume_from_checkpoint=...)``.
@@ -239,6 +246,9 @@ def download_checkpoint(
     see, so only rank 0 downloads (the others wait). Call it after the process group is up
     (creating ``TrainingArguments`` does that under torchrun).
 
+    ``mirror``: the run root the job mirrored to (``mirror=`` of the callback); its copy is
+    downloaded when the primary cannot be read or its checkpoint is damaged (loudly).
+
     Returns None when nothing is committed (a fresh start).
 
     Raises (on every rank alike):
@@ -248,16 +258,16 @@ def download_checkpoint(
         DistributedError: ranks disagree or a rank is missing.
     """
     store, _ = open_root(uri_or_store, store_options)
-    reader = Reader(store)
+    mirror_store = open_root(mirror)[0] if mirror is not None else None
     comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
     try:
-        session = RestoreSession(store, comm.get(), label="download_checkpoint")
+        session = RestoreSession(store, comm.get(), label="download_checkpoint", mirror=mirror_store)
         local = os.fspath(local_dir)
 
         def stage(manifest: Manifest) -> str:
             folder = os.path.join(local, _trainer_folder(manifest))
             if session.comm.rank == 0 or not shared_dir:
-                _download(reader, manifest, folder)  # verified; damage falls back, all ranks
+                _download(session.reader, manifest, folder)  # verified; damage falls back, all ranks
             return folder
 
         restored = session.restore(stage, step=step)

@@ -45,9 +45,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..coordination.comm import Comm, LocalComm
+from ..coordination.mirror import Mirror, save_session
 from ..coordination.restore import RestoreSession
 from ..coordination.roots import open_root
-from ..coordination.save import SaveSession
 from ..defaults import HANDSHAKE_TIMEOUT, TIMEOUT
 from ..errors import CommitConflict, NoCheckpointError, StoreError
 from ..gc import RetentionPolicy, plan_gc, run_gc
@@ -98,6 +98,9 @@ class ObjckptCheckpointIO(_CheckpointIO):
     Args:
         uri_or_store: run root (``s3://...``, ``gs://...``, ``file:///...``) or a Store.
         store_options: options for :func:`objckpt.store.open_store` when a URI is given.
+        mirror: a second run root (URI or Store: another bucket, region or cloud) every commit
+            is replicated to in the background (``CheckpointManager(mirror=)``); loads take its
+            copy when the primary cannot be read or its checkpoint is damaged, loudly.
         metadata: JSON recorded in every manifest.
         config_hash: recorded in the manifest's run identity.
         collective_load: check with the other ranks that every rank loaded the same step
@@ -119,9 +122,14 @@ class ObjckptCheckpointIO(_CheckpointIO):
         timeout: float = TIMEOUT,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         metrics: CheckpointMetrics | None = None,
+        mirror: str | Store | None = None,
     ) -> None:
         super().__init__()
         self.store, _ = open_root(uri_or_store, store_options)
+        self.mirror_store = open_root(mirror)[0] if mirror is not None else None
+        self.mirror = (
+            Mirror(self.store, self.mirror_store, metrics=metrics) if self.mirror_store is not None else None
+        )
         self.uri = uri_or_store if isinstance(uri_or_store, str) else None
         self.reader = Reader(self.store)
         self.metadata = dict(metadata or {})
@@ -131,8 +139,13 @@ class ObjckptCheckpointIO(_CheckpointIO):
         self._comm = LazyComm(timeout=timeout, handshake_timeout=handshake_timeout)
         identity = {"config_hash": config_hash} if config_hash is not None else {}
         # Lightning saves on global rank 0 only: a one-process save session
-        self._saves = SaveSession(
-            self.store, LocalComm(), metrics=metrics, identity=identity, label="Lightning save"
+        self._saves = save_session(
+            self.store,
+            LocalComm(),
+            mirror=self.mirror,
+            metrics=metrics,
+            identity=identity,
+            label="Lightning save",
         )
         self._lock = threading.RLock()
         #: steps this process committed or loaded: a second save of one is a no-op
@@ -241,8 +254,16 @@ class ObjckptCheckpointIO(_CheckpointIO):
         kind, value = self._resolve(path)
         if kind == "name":
             value = self._find_by_name(value).step
-        session = RestoreSession(self.store, self._load_comm(), metrics=self.metrics, label="Lightning load")
-        restored = session.restore(self._decode, step=None if kind == "latest" else int(value))
+        session = RestoreSession(
+            self.store,
+            self._load_comm(),
+            metrics=self.metrics,
+            label="Lightning load",
+            mirror=self.mirror_store,
+        )
+        restored = session.restore(
+            lambda m: self._decode(m, session.reader), step=None if kind == "latest" else int(value)
+        )
         if restored is None:
             raise NoCheckpointError(f"no committed Lightning checkpoint under {self.store.location}")
         with self._lock:
@@ -280,7 +301,7 @@ class ObjckptCheckpointIO(_CheckpointIO):
             f"no committed Lightning checkpoint named {name!r} under {self.store.location}"
         )
 
-    def _decode(self, manifest: Manifest) -> dict[str, Any]:
+    def _decode(self, manifest: Manifest, reader: Reader | None = None) -> dict[str, Any]:
         from ..training import serialization
 
         receipt = next((r for r in manifest.shards if r.name == SHARD_NAME), None)
@@ -289,7 +310,8 @@ class ObjckptCheckpointIO(_CheckpointIO):
                 f"step {manifest.step} under {self.store.location} is not a Lightning checkpoint "
                 f"(no {SHARD_NAME} shard)"
             )
-        obj = serialization.decode_stream(self.reader.open_shard(receipt), total_size=receipt.size)
+        reader = reader or self.reader  # the session's: the mirror's after a restore from it
+        obj = serialization.decode_stream(reader.open_shard(receipt), total_size=receipt.size)
         if not isinstance(obj, dict):
             raise serialization.SerializationError(f"step {manifest.step}: {SHARD_NAME} does not hold a dict")
         return obj
@@ -365,6 +387,8 @@ class ObjckptCheckpointIO(_CheckpointIO):
         ``teardown`` released are destroyed at interpreter exit (``atexit``), never left to the
         interpreter's finalization.
         """
+        if self.mirror is not None:
+            self.mirror.wait()  # the last commit reaches the mirror (bounded by the retry budgets)
         try:
             self._collect_pending()
         finally:

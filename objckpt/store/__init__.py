@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import ConfigError
 from ._options import COMMON_OPTIONS, Option, parse_options, parse_size, store_kwargs
 from ._registry import ENTRY_POINT_GROUP, backend_class, known_schemes, options_for, register_backend
 from ._registry import schemes_taking as _schemes_taking
@@ -34,13 +35,23 @@ from .base import (
 from .wrappers import PrefixStore
 
 
-def open_store(uri: str, **options: Any) -> Store:
+def open_store(uri: str, *, check: bool | str = False, **options: Any) -> Store:
     """Open the store for a run root.
+
+    Opening makes no request by default (the CLI, tests and tools open stores freely, even for
+    servers that are not up yet). ``check=True`` then calls :meth:`Store.check` (one LIST: the
+    server answers, the bucket exists, the credentials may read the run root); ``check="write"``
+    also writes and deletes a probe object. The store is closed if the check fails.
 
     Raises:
         ConfigError: malformed URI, unknown option (naming the schemes that do take it), a bad
-            option value, or the backend's extra is not installed.
+            option value (e.g. an S3 ``part_size`` below the server's minimum part), or the
+            backend's extra is not installed.
+        StoreError: with ``check``, what :meth:`Store.check` raises (``BucketNotFoundError``,
+            ``PermissionDeniedError``, ``TransientError`` past the retry budget).
     """
+    if check not in (False, True, "write"):
+        raise ConfigError(f"check must be False, True or 'write', got {check!r}")
     parsed = parse_uri(uri)
     cls = backend_class(parsed.scheme)
     values = parse_options(
@@ -51,7 +62,14 @@ def open_store(uri: str, **options: Any) -> Store:
         elsewhere=_schemes_taking,
     )
     kwargs = store_kwargs(values)
-    return cls.from_uri(parsed, {**values, **kwargs})
+    store = cls.from_uri(parsed, {**values, **kwargs})
+    if check:
+        try:
+            store.check(write=check == "write")
+        except BaseException:
+            store.close()
+            raise
+    return store
 
 
 __all__ = [

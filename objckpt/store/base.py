@@ -26,12 +26,15 @@ guarantees nothing, so protocol code refuses to commit on it (fail closed).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, Union
@@ -59,6 +62,8 @@ DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_READ_CHUNK = 4 * MiB
 MAX_DELETE_BATCH = 1000
+#: where ``Store.check(write=True)`` writes (and deletes) its probe object
+PROBE_PREFIX = "objckpt-probe/"
 
 
 @dataclass(frozen=True)
@@ -200,6 +205,34 @@ def key_problem(key: object) -> str | None:
     return None
 
 
+#: the time budget of the request in progress on this thread (an absolute ``time.monotonic()``
+#: deadline), shared by every store: a request made while another is being retried (GCS's
+#: cleanup inside a compose, the pointer's compare-and-swap rounds) gets what remains of it
+_budget = threading.local()
+
+
+def budget_remaining() -> float | None:
+    """Seconds left of the innermost :func:`time_budget` on this thread, or ``None``."""
+    deadline = getattr(_budget, "deadline", None)
+    return None if deadline is None else deadline - time.monotonic()
+
+
+@contextmanager
+def time_budget(seconds: float) -> Iterator[None]:
+    """Every store request made on this thread inside the block shares one time budget of
+    ``seconds`` (or what remains of an enclosing budget, if less): each request's retry policy
+    is cut down to what is left, so a loop of requests (compare-and-swap rounds, a cleanup
+    inside a publish) ends within the budget however many requests it makes. A request whose
+    budget is spent still gets its one first try."""
+    previous = getattr(_budget, "deadline", None)
+    deadline = time.monotonic() + max(0.0, seconds)
+    _budget.deadline = deadline if previous is None else min(previous, deadline)
+    try:
+        yield
+    finally:
+        _budget.deadline = previous
+
+
 class Store(ABC):
     """One object store location (bucket + prefix, or directory). Thread-safe.
 
@@ -214,6 +247,9 @@ class Store(ABC):
     #: what this backend guarantees; a subclass (or instance) that declares nothing guarantees
     #: nothing, so committing refuses it (fail closed)
     capabilities: Capabilities = Capabilities.NONE
+    #: the smallest non-final part the server accepts (S3: 5 MiB); ``put_stream`` refuses a
+    #: smaller ``part_size`` before uploading anything
+    min_part_size: int = 1
 
     def __init__(
         self,
@@ -334,7 +370,15 @@ class Store(ABC):
         self._retry_listeners.append(listener)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self.retry.call(fn, *args, on_retry=self._notify_retry)
+        """One request under the retry policy: its time budget, cut down to what remains of an
+        enclosing :func:`time_budget` (so nested requests never restart the clock), is shared
+        with any request made while this one runs on this thread."""
+        policy = self.retry
+        left = budget_remaining()
+        if left is not None and left < policy.deadline:
+            policy = dataclasses.replace(policy, deadline=round(max(0.0, left), 1))
+        with time_budget(policy.deadline):
+            return policy.call(fn, *args, on_retry=self._notify_retry)
 
     def _notify_retry(self, exc: BaseException, attempt: int) -> None:
         for listener in self._retry_listeners:
@@ -397,6 +441,7 @@ class Store(ABC):
         self.check_key(key, "put")
         self._check_mode(mode, key)
         part_size = part_size or self.part_size
+        self._check_part_size(part_size, key)
         max_in_flight = max_in_flight or self.max_in_flight
         parts = iter_parts(source, part_size)
         first = next(parts, None)
@@ -530,13 +575,13 @@ class Store(ABC):
                 if retries == 0:
                     streak_started = time.monotonic()
                 retries += 1
-                if (
-                    retries >= self.retry.max_attempts
-                    or time.monotonic() - streak_started > self.retry.deadline
-                ):
-                    raise self.retry.exhausted(exc, retries, time.monotonic() - streak_started) from None
+                policy = self._stream_policy()
+                spent = time.monotonic() - streak_started
+                if retries >= policy.max_attempts or spent >= policy.deadline:
+                    raise policy.exhausted(exc, retries, spent) from exc.__cause__
                 self._notify_retry(exc, retries)
-                time.sleep(self.retry.backoff(retries))
+                # never sleep past the budget: the last try starts before it ends
+                time.sleep(min(policy.backoff(retries), max(0.0, policy.deadline - spent)))
         if expected_size is not None and crc.size != expected_size:
             raise ChecksumMismatchError(
                 f"size mismatch: read {crc.size} bytes, receipt says {expected_size}",
@@ -549,6 +594,14 @@ class Store(ABC):
                 key=key,
                 location=self.location,
             )
+
+    def _stream_policy(self) -> RetryPolicy:
+        """The policy for the resumes of a stream: the store's, cut down to what remains of an
+        enclosing :func:`time_budget` (as for every request)."""
+        left = budget_remaining()
+        if left is not None and left < self.retry.deadline:
+            return dataclasses.replace(self.retry, deadline=round(max(0.0, left), 1))
+        return self.retry
 
     def get_verified(
         self, key: str, *, expected_size: int | None = None, expected_crc32c: str | None = None
@@ -612,6 +665,43 @@ class Store(ABC):
         """
         handle = UploadHandle(key=upload.key, mode=PutMode.OVERWRITE, upload_id=upload.upload_id)
         self._call(self._abort_upload, handle)
+
+    def check(self, *, write: bool = False) -> None:
+        """Check that the run root can be used, with as few requests as it takes; nothing is
+        left behind. ``open_store`` never calls this by itself (opening makes no request);
+        ``CheckpointManager`` does at construction, ``open_store(..., check=True)`` on request.
+
+        * always: one LIST of at most one key under the root (retried like any request): the
+          server answers, the bucket (or root) exists, the credentials are accepted and may read
+          the run root;
+        * ``write=True``: also a create-if-absent write of a small probe object under
+          ``objckpt-probe/`` and its deletion (create, delete permissions).
+
+        Raises (the message names the location): :class:`BucketNotFoundError`,
+        :class:`PermissionDeniedError`, :class:`TransientError` (unreachable past the retry
+        budget), :class:`ConfigError` (e.g. a part size the server refuses).
+        """
+        self._check_part_size(self.part_size, "")
+        self._call(self._probe)
+        if write:
+            key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+            mode = PutMode.CREATE if self.capabilities.create_if_absent else PutMode.OVERWRITE
+            self.put(key, b"objckpt write probe\n", mode=mode)
+            self.delete([key])
+
+    def _probe(self) -> None:
+        """The read probe of :meth:`check` (one request); backends may refine it."""
+        self._list_page("", None, 1)
+
+    def _check_part_size(self, part_size: int, key: str) -> None:
+        if part_size < self.min_part_size:
+            raise ConfigError(
+                f"part_size {part_size:,} is below the smallest part {self.location} accepts "
+                f"({self.min_part_size:,} bytes): a multipart upload would be refused only when it "
+                "completes, after every part was sent; raise part_size (or, for a server that "
+                "accepts smaller parts, lower min_part_size)"
+                + (f" [put {self.location.rstrip('/')}/{key}]" if key else f" [{self.location}]")
+            )
 
     def close(self) -> None:
         with self._pool_lock:
@@ -741,5 +831,7 @@ __all__ = [
     "UploadHandle",
     "encode_crc32c",
     "iter_parts",
+    "budget_remaining",
     "key_problem",
+    "time_budget",
 ]

@@ -659,7 +659,9 @@ class GCSStore(Store):
                 self._discard(upload_id)
 
         try:
-            self.retry.call(discard, on_retry=self._notify_retry)
+            # Through _call: this runs inside the publishing request's own retry, so it gets
+            # what remains of that request's time budget, never a fresh one of its own.
+            self._call(discard)
         except StoreError:
             log.warning("left temporary parts of upload %s for GC", upload_id, exc_info=True)
 

@@ -45,10 +45,18 @@ time and key (base64url; a ``~key`` side file when the name would be too long), 
 Keys follow the one key rule of every store (:func:`~objckpt.store.base.key_problem`: no empty,
 ``.`` or ``..`` segment, no leading ``/``, NUL or backslash); file:// also reserves a first
 segment starting with ``.objckpt-``. Others are rejected with :class:`InvalidKeyError` (a
-``ValueError``) before any filesystem call, so no key can name a file outside the root. (Symbolic
-links *inside* the root are followed on reads and writes, not in listings: whoever can create
-them already has write access to the root.) A filesystem cannot hold both ``a`` and ``a/b``;
-writing one while the other exists raises :class:`NotSupportedError`.
+``ValueError``) before any filesystem call, so no key can name a file outside the root.
+
+Symbolic links *inside* the root are never followed (the root itself may be one: that is the
+user's configuration). Every path below the root is walked one directory at a time with
+``O_NOFOLLOW`` from the directory above it (``openat``), and the object is opened, linked,
+renamed, stat'ed or unlinked relative to its directory's descriptor, so a link swapped in between
+two calls is not followed either. A symlink where an object or a directory of keys would be is
+not an object: reads and ``head`` raise :class:`NotFoundError` saying so (for a restore that is
+damage: the checkpoint is rejected loudly, never read from outside the root), listings skip it,
+and a write or delete through a symlinked directory raises :class:`PermissionDeniedError`. A
+filesystem cannot hold both ``a`` and ``a/b``; writing one while the other exists raises
+:class:`NotSupportedError`.
 
 Errors: ``ENOENT`` -> :class:`NotFoundError`, ``EACCES``/``EPERM``/``EROFS`` ->
 :class:`PermissionDeniedError`, ``ENOSPC``/``EDQUOT`` -> :class:`StoreError` saying the disk is
@@ -137,6 +145,14 @@ def _unique_ns() -> int:
         return _last_ns
 
 
+def _lstat_at(dfd: int, name: str) -> os.stat_result | None:
+    """``lstat`` of ``name`` in directory ``dfd``; ``None`` when absent."""
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
 def _token(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
 
@@ -178,6 +194,33 @@ class LocalStore(Store):
         # The path is the root itself (there is no bucket): no PrefixStore needed.
         return cls(parsed.prefix, **options)
 
+    def _probe(self) -> None:
+        """The root is a directory, or can be made one (its nearest existing ancestor is a
+        writable directory): file:// creates the root at the first write, so a missing root is
+        not an error, but one that can never be created is."""
+        probe = self.root
+        while True:
+            try:
+                st = os.stat(probe)
+            except (FileNotFoundError, NotADirectoryError):
+                parent = os.path.dirname(probe)
+                if parent == probe:
+                    break
+                probe = parent
+                continue
+            except OSError as exc:
+                raise self._error(exc, "", "check") from exc
+            if not stat.S_ISDIR(st.st_mode):
+                raise ConfigError(f"the run root's path {probe!r} is not a directory [{self.location}]")
+            if probe != self.root and not os.access(probe, os.W_OK | os.X_OK):
+                raise PermissionDeniedError(
+                    f"cannot create the run root: {probe!r} is not writable",
+                    location=self.location,
+                    operation="check",
+                )
+            break
+        super()._probe()
+
     # ------------------------------------------------------------------ keys and errors
 
     def _key_rule(self, key: str) -> str | None:
@@ -190,6 +233,106 @@ class LocalStore(Store):
         primitive called directly cannot name a file outside the root either."""
         self.check_key(key, operation)
         return os.path.join(self.root, *key.split("/"))
+
+    def _symlink_error(self, what: str, key: str, operation: str, *, write: bool) -> StoreError:
+        kw = dict(key=key, location=self.location, operation=operation)
+        why = f"{what!r} is a symbolic link; a file:// store never follows symbolic links inside its run root"
+        if write:
+            return PermissionDeniedError(
+                f"refusing to write through a symbolic link: {why} (make the run root itself the link, "
+                "or mount the other filesystem there)",
+                **kw,
+            )
+        return NotFoundError(f"not an object: {why} (it may point outside the run root)", **kw)
+
+    @contextmanager
+    def _parent_fd(self, key: str, operation: str, *, create: bool, write: bool) -> Iterator[int | None]:
+        """A descriptor of ``key``'s directory, opened one segment at a time from the root with
+        ``O_NOFOLLOW`` (never through a symbolic link); ``None`` when a directory is missing and
+        ``create`` is false. ``create`` makes missing directories, fsync'ing each parent that got
+        an entry. A symlinked directory raises (see :meth:`_symlink_error`); a segment that is an
+        object yields ``None`` for reads and raises :class:`NotSupportedError` for writes."""
+        self.check_key(key, operation)
+        dirs = key.split("/")[:-1]
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        try:
+            fd = os.open(self.root, flags)
+        except FileNotFoundError:
+            if not create:
+                yield None
+                return
+            self._ensure_dir(self.root, key, operation)
+            try:
+                fd = os.open(self.root, flags)
+            except OSError as exc:
+                raise self._error(exc, key, operation) from exc
+        except OSError as exc:
+            raise self._error(exc, key, operation) from exc
+        try:
+            for i, seg in enumerate(dirs):
+                nfd = self._open_dir(fd, seg, "/".join(dirs[: i + 1]), key, operation, create, write)
+                os.close(fd)
+                fd = nfd
+                if fd < 0:
+                    yield None
+                    return
+            yield fd
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _open_dir(
+        self, dfd: int, seg: str, shown: str, key: str, operation: str, create: bool, write: bool
+    ) -> int:
+        """Open directory ``seg`` below ``dfd`` without following a link; -1 when absent (or an
+        object) and not ``create``."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(2):
+            try:
+                return os.open(seg, flags, dir_fd=dfd)
+            except FileNotFoundError:
+                if not create:
+                    return -1
+                try:
+                    os.mkdir(seg, 0o777, dir_fd=dfd)
+                except FileExistsError:
+                    pass  # a concurrent writer made it (or it is not a directory: checked next)
+                except OSError as exc:
+                    raise self._error(exc, key, operation) from exc
+                else:
+                    self._fsync_fd(dfd, key, operation)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise self._error(exc, key, operation) from exc
+                try:
+                    st = os.stat(seg, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # vanished meanwhile: try again
+                except OSError as exc2:
+                    raise self._error(exc2, key, operation) from exc2
+                if stat.S_ISLNK(st.st_mode):
+                    raise self._symlink_error(shown, key, operation, write=write) from None
+                if not write:
+                    return -1  # an object where a directory would be: nothing below it
+                raise NotSupportedError(
+                    f"a file:// store cannot hold both an object and keys below it ({shown!r} is an object)",
+                    key=key,
+                    location=self.location,
+                    operation=operation,
+                ) from None
+        raise self._error(OSError(errno.ENOENT, "directory vanished while being created"), key, operation)
+
+    def _fsync_fd(self, fd: int, key: str, operation: str) -> None:
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # some filesystems refuse dir fsync
+                raise self._error(exc, key, operation) from exc
+
+    def _private_dir(self, path: str, key: str, operation: str) -> None:
+        """The staging and lock directories must not be symbolic links either."""
+        if os.path.islink(path):
+            raise self._symlink_error(os.path.basename(path), key, operation, write=True)
 
     def _error(self, exc: OSError, key: str, operation: str) -> StoreError:
         """Map an ``OSError`` to the objckpt error for it (the caller raises ``from exc``)."""
@@ -246,10 +389,7 @@ class LocalStore(Store):
         except OSError as exc:
             raise self._error(exc, key, operation) from exc
         try:
-            os.fsync(fd)
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # some filesystems refuse dir fsync
-                raise self._error(exc, key, operation) from exc
+            self._fsync_fd(fd, key, operation)
         finally:
             os.close(fd)
 
@@ -259,7 +399,8 @@ class LocalStore(Store):
         so lock files stay bounded although overwrite and delete take them too."""
         stripe = zlib.crc32(key.encode("utf-8", "surrogateescape")) % LOCK_STRIPES
         path = os.path.join(self._locks, f"{stripe:02x}")
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        self._private_dir(self._locks, key, operation)
         try:
             try:
                 fd = os.open(path, flags, 0o666)
@@ -292,6 +433,7 @@ class LocalStore(Store):
             name = f"{upload_id}~long"
             side = os.path.join(self._staging, upload_id + _KEY_SIDE_SUFFIX)
         path = os.path.join(self._staging, name)
+        self._private_dir(self._staging, key, operation)
         for tries in (1, 2):
             try:
                 if side is not None:
@@ -359,53 +501,52 @@ class LocalStore(Store):
         """Give the sealed staging file ``name`` the key's name, honouring ``mode``, then fsync
         the directory. The staging name is removed (or left for the caller to discard on error)."""
         staging = os.path.join(self._staging, name)
-        target = self._path(key, operation)
-        parent = os.path.dirname(target)
-        self._ensure_dir(parent, key, operation)
-        try:
-            if mode.kind == "create":
-                self._link_create(staging, target, key, operation)
-            else:
-                with self._key_lock(key, operation):
-                    if mode.kind == "update":
-                        try:
-                            st = os.stat(target)
-                        except FileNotFoundError:
-                            st = None
-                        if st is None or not stat.S_ISREG(st.st_mode) or _token(st) != mode.version:
-                            current = _token(st) if st is not None and stat.S_ISREG(st.st_mode) else "absent"
-                            raise PreconditionFailedError(
-                                f"version is {current}, expected {mode.version}",
-                                key=key,
-                                location=self.location,
-                                operation=operation,
-                            )
-                    self._replace(staging, target, key, operation)
-        except StoreError:
-            raise  # already mapped (AlreadyExistsError is also an OSError)
-        except OSError as exc:
-            raise self._error(exc, key, operation) from exc
-        self._fsync_dir(parent, key, operation)
+        with self._parent_fd(key, operation, create=True, write=True) as dfd:
+            assert dfd is not None
+            target = key.rsplit("/", 1)[-1]  # relative to dfd: never through a symlinked directory
+            try:
+                if mode.kind == "create":
+                    self._link_create(staging, dfd, target, key, operation)
+                else:
+                    with self._key_lock(key, operation):
+                        if mode.kind == "update":
+                            st = _lstat_at(dfd, target)
+                            if st is None or not stat.S_ISREG(st.st_mode) or _token(st) != mode.version:
+                                current = (
+                                    _token(st) if st is not None and stat.S_ISREG(st.st_mode) else "absent"
+                                )
+                                raise PreconditionFailedError(
+                                    f"version is {current}, expected {mode.version}",
+                                    key=key,
+                                    location=self.location,
+                                    operation=operation,
+                                )
+                        self._replace(staging, dfd, target, key, operation)
+            except StoreError:
+                raise  # already mapped (AlreadyExistsError is also an OSError)
+            except OSError as exc:
+                raise self._error(exc, key, operation) from exc
+            self._fsync_fd(dfd, key, operation)
 
-    def _link_create(self, staging: str, target: str, key: str, operation: str) -> None:
+    def _link_create(self, staging: str, dfd: int, target: str, key: str, operation: str) -> None:
         if self.create == "lock":
             # Opted in: the lock makes link-or-check-and-replace one step among objckpt writers.
             with self._key_lock(key, operation):
                 try:
-                    os.link(staging, target)
+                    os.link(staging, target, dst_dir_fd=dfd, follow_symlinks=False)
                 except FileExistsError:
-                    self._exists_error(target, key, operation)
+                    self._exists_error(dfd, target, key, operation)
                 except OSError as exc:
                     if exc.errno not in _NO_LINK_ERRNOS:
                         raise
-                    if os.path.lexists(target):
-                        self._exists_error(target, key, operation)
-                    os.replace(staging, target)
+                    if _lstat_at(dfd, target) is not None:
+                        self._exists_error(dfd, target, key, operation)
+                    os.replace(staging, target, dst_dir_fd=dfd)
             return
         try:
-            os.link(staging, target)
+            os.link(staging, target, dst_dir_fd=dfd, follow_symlinks=False)
         except FileExistsError:
-            self._exists_error(target, key, operation)
+            self._exists_error(dfd, target, key, operation)
         except OSError as exc:
             if exc.errno not in _NO_LINK_ERRNOS:
                 raise
@@ -423,8 +564,9 @@ class LocalStore(Store):
             ) from exc
         # after a link the staging name still exists; the caller discards it
 
-    def _exists_error(self, target: str, key: str, operation: str) -> None:
-        if os.path.isdir(target):
+    def _exists_error(self, dfd: int, target: str, key: str, operation: str) -> None:
+        st = _lstat_at(dfd, target)
+        if st is not None and stat.S_ISDIR(st.st_mode):
             raise NotSupportedError(
                 "a file:// store cannot hold both an object and keys below it "
                 "(the key is a directory of other keys)",
@@ -436,9 +578,10 @@ class LocalStore(Store):
             "object already exists", key=key, location=self.location, operation=operation
         )
 
-    def _replace(self, staging: str, target: str, key: str, operation: str) -> None:
+    def _replace(self, staging: str, dfd: int, target: str, key: str, operation: str) -> None:
+        # a symbolic link at the target is replaced itself (rename never follows it)
         try:
-            os.replace(staging, target)
+            os.replace(staging, target, dst_dir_fd=dfd)
         except IsADirectoryError:
             raise NotSupportedError(
                 "a file:// store cannot hold both an object and keys below it "
@@ -457,11 +600,13 @@ class LocalStore(Store):
             last_modified=datetime.fromtimestamp(st.st_mtime_ns / 1e9, tz=timezone.utc),
         )
 
-    def _read_crc(self, path: str) -> str | None:
+    def _read_crc(self, path: str | int) -> str | None:
         if not self._xattrs:
             return None
         try:
-            return os.getxattr(path, XATTR_CRC32C).decode("ascii")
+            if isinstance(path, int):
+                return os.getxattr(path, XATTR_CRC32C).decode("ascii")
+            return os.getxattr(path, XATTR_CRC32C, follow_symlinks=False).decode("ascii")
         except (OSError, UnicodeDecodeError):
             return None  # written by something else, or xattrs unsupported
 
@@ -586,40 +731,51 @@ class LocalStore(Store):
     def _delete_batch(self, keys: list[str]) -> None:
         """Unlink each key (absent ones ignored), then fsync each touched directory once, so a
         caller that deletes a manifest before its shards keeps that order across a crash."""
-        touched = set()
+        touched: dict[str, str] = {}  # directory -> one key deleted there
         for key in keys:
-            path = self._path(key, "delete")
-            if not os.path.lexists(path):
-                continue  # absent: nothing to lock (and nothing created on a missing root)
-            try:
-                with self._key_lock(key, "delete"):
-                    os.unlink(path)
-            except StoreError:
-                raise
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                continue
-            except OSError as exc:
-                if exc.errno == errno.EISDIR or (exc.errno == errno.EPERM and os.path.isdir(path)):
-                    continue  # a "directory" of other keys is not an object
-                raise self._error(exc, key, "delete") from exc
-            touched.add(os.path.dirname(path))
-        for directory in sorted(touched):
-            try:
-                self._fsync_dir(directory, "", "delete")
-            except NotFoundError:
-                pass
+            with self._parent_fd(key, "delete", create=False, write=True) as dfd:
+                if dfd is None:
+                    continue  # absent: nothing to lock (and nothing created on a missing root)
+                name = key.rsplit("/", 1)[-1]
+                st = _lstat_at(dfd, name)
+                if st is None or stat.S_ISDIR(st.st_mode):
+                    continue  # absent, or a "directory" of other keys, which is not an object
+                try:
+                    with self._key_lock(key, "delete"):
+                        os.unlink(name, dir_fd=dfd)  # a symbolic link is removed, never followed
+                except StoreError:
+                    raise
+                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                    continue
+                except OSError as exc:
+                    if exc.errno in (errno.EISDIR, errno.EPERM) and stat.S_ISDIR(
+                        (_lstat_at(dfd, name) or st).st_mode
+                    ):
+                        continue
+                    raise self._error(exc, key, "delete") from exc
+                touched.setdefault(key.rpartition("/")[0], key)
+        for _, key in sorted(touched.items()):
+            with self._parent_fd(key, "delete", create=False, write=True) as dfd:
+                if dfd is not None:
+                    self._fsync_fd(dfd, key, "delete")
 
     # ------------------------------------------------------------------ reads
 
-    def _open_read(self, key: str) -> int:
-        path = self._path(key, "get")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise self._error(exc, key, "get") from exc
-        if stat.S_ISDIR(os.fstat(fd).st_mode):  # a "directory" of other keys is not an object
+    def _open_read(self, key: str, operation: str = "get") -> int:
+        """The object's file, opened without following a symbolic link anywhere below the root."""
+        with self._parent_fd(key, operation, create=False, write=False) as dfd:
+            if dfd is None:
+                raise NotFoundError("no such object", key=key, location=self.location, operation=operation)
+            name = key.rsplit("/", 1)[-1]
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self._symlink_error(key, key, operation, write=False) from None
+                raise self._error(exc, key, operation) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a "directory" of other keys is not an object
             os.close(fd)
-            raise NotFoundError("no such object", key=key, location=self.location, operation="get")
+            raise NotFoundError("no such object", key=key, location=self.location, operation=operation)
         return fd
 
     def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
@@ -642,14 +798,11 @@ class LocalStore(Store):
             os.close(fd)
 
     def _head(self, key: str) -> ObjectMeta:
-        path = self._path(key, "head")
+        fd = self._open_read(key, "head")
         try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise self._error(exc, key, "head") from exc
-        if not stat.S_ISREG(st.st_mode):
-            raise NotFoundError("no such object", key=key, location=self.location, operation="head")
-        return self._meta(key, st, self._read_crc(path))
+            return self._meta(key, os.fstat(fd), self._read_crc(fd))
+        finally:
+            os.close(fd)
 
     def _start_dir(self, prefix: str) -> tuple[str, str] | None:
         """(directory to walk, key prefix of its entries) for ``prefix``; ``None`` when no valid
@@ -659,7 +812,12 @@ class LocalStore(Store):
             return None
         if dirs and dirs[0].startswith(RESERVED_PREFIX):
             return None
-        return os.path.join(self.root, *dirs), "".join(seg + "/" for seg in dirs)
+        path = self.root
+        for seg in dirs:  # a symlinked directory holds no objects (listings never follow links)
+            path = os.path.join(path, seg)
+            if os.path.islink(path):
+                return None
+        return path, "".join(seg + "/" for seg in dirs)
 
     def _walk(
         self, directory: str, key_prefix: str, prefix: str, start_after: str | None

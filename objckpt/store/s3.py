@@ -55,7 +55,7 @@ from ..errors import (
     StoreError,
     TransientError,
 )
-from ._options import Option, boolean, choice, integer, seconds, text
+from ._options import Option, boolean, choice, integer, seconds, size, text
 from ._util import ViewReader
 from .base import (
     DEFAULT_READ_CHUNK,
@@ -395,6 +395,14 @@ class S3Store(Store):
             "ranged GETs in flight for reads larger than part_size (default max_in_flight; 1: one "
             "streaming GetObject, for servers where a ranged GET costs a whole-object read, e.g. moto)",
         ),
+        Option(
+            "min_part_size",
+            size,
+            "5MiB",
+            "the smallest non-final part the server accepts (S3, LocalStack, MinIO: 5 MiB): a smaller "
+            "part_size is refused when the store is opened; lower it only for a server that accepts "
+            "smaller parts (moto with S3_UPLOAD_PART_MIN_SIZE)",
+        ),
         Option("access_key_id", text, None, "explicit credentials (local test servers)", secret=True),
         Option("secret_access_key", text, None, "explicit credentials (local test servers)", secret=True),
         Option("session_token", text, None, "explicit credentials (local test servers)", secret=True),
@@ -420,16 +428,19 @@ class S3Store(Store):
         session_token: str | None = None,
         read_concurrency: int | None = None,
         read_chunk: int = DEFAULT_READ_CHUNK,
+        min_part_size: int = S3_MIN_PART_SIZE,
         client: Any = None,
         **store_kwargs: Any,
     ) -> None:
-        """Open ``s3://bucket``. No request is made here.
+        """Open ``s3://bucket``. No request is made here (:meth:`check` makes one).
 
         ``client`` injects a ready botocore S3 client (tests with ``botocore.stub.Stubber``);
         it must have retries disabled like the one built here.
 
         Raises:
-            ConfigError: an invalid option, an unknown profile, or only half of a key pair.
+            ConfigError: an invalid option, an unknown profile, only half of a key pair, or a
+                ``part_size`` below ``min_part_size`` (S3 would refuse such an upload only when
+                it completes, after every part was sent).
         """
         if conditional_writes not in CONDITIONAL_WRITE_MODES:
             raise ConfigError(
@@ -448,8 +459,13 @@ class S3Store(Store):
         )
         self.bucket = bucket
         super().__init__(location=f"s3://{bucket}", **store_kwargs)
-        # part_size below S3_MIN_PART_SIZE is allowed: test servers may accept small parts. A real
-        # S3 rejects such an upload at completion (EntityTooSmall), and the error says so.
+        if min_part_size < 1:
+            raise ConfigError(f"min_part_size must be positive, got {min_part_size}")
+        # S3 refuses a non-final part below 5 MiB only when the upload completes (EntityTooSmall),
+        # after every part was sent: refuse the configuration now, naming the bucket. A server
+        # that accepts smaller parts (moto with S3_UPLOAD_PART_MIN_SIZE) is declared so.
+        self.min_part_size = min_part_size
+        self._check_part_size(self.part_size, "")
         self.conditional_writes = conditional_writes
         self.checksum_type = checksum_type
         self.endpoint_url = endpoint_url

@@ -77,6 +77,7 @@ class _Wrapper(Store):
             capabilities=capabilities or inner.capabilities,
         )
         self.inner = inner
+        self.min_part_size = inner.min_part_size  # the server's limit holds through the wrapper
         self._close_inner = close_inner
         self.scheme = inner.scheme  # type: ignore[misc]
 

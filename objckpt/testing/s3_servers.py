@@ -330,11 +330,16 @@ class MotoServer(_ServerProcess):
     def store_options(self) -> dict[str, str]:
         # read_concurrency=1: moto answers each ranged GET by copying the whole object under a
         # per-object lock, so parallel ranged reads are slower than one streaming GET there.
-        return {
+        options = {
             **super().store_options,
             "conditional_writes": "unsafe",
             "read_concurrency": "1",
         }
+        if self.min_part_size is not None:
+            # the limit this server was started with (S3's is 5 MiB): smaller parts are refused
+            # when a store is opened, so a store on this server must be told
+            options["min_part_size"] = str(self.min_part_size)
+        return options
 
 
 class LocalStackServer(_ServerProcess):

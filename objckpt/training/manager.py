@@ -36,11 +36,19 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from ..coordination.mirror import Mirror, save_session
 from ..coordination.restore import RestoreSession
 from ..coordination.roots import open_root
-from ..coordination.save import SaveSession, SaveTicket
+from ..coordination.save import SaveTicket
 from ..defaults import GC_GRACE_PERIOD, HANDSHAKE_TIMEOUT, KEEP_LAST, TIMEOUT
-from ..errors import SaveAbandonedError, StagingBudgetError, TrainingStateError
+from ..errors import (
+    CommitError,
+    SaveAbandonedError,
+    StagingBudgetError,
+    StoreError,
+    TrainingStateError,
+    encode_error,
+)
 from ..gc import RetentionPolicy
 from ..manifest import Manifest
 from ..metrics import CheckpointMetrics
@@ -65,12 +73,31 @@ log = logging.getLogger("objckpt.training")
 #: what save_async does while a save is in flight
 WAIT, SKIP = "wait", "skip"
 _POLICIES = (WAIT, SKIP)
+#: what a failed save does to the training loop (``on_save_error``)
+RAISE, WARN = "raise", "warn"
+_ON_SAVE_ERROR = (RAISE, WARN)
+
+
+def _is_save_failure(exc: BaseException) -> bool:
+    """A save that did not commit for a reason the next checkpoint can overcome (a store error,
+    a failed rank upload, commit checks); not a programming error, a dead rank or an abandon."""
+    return isinstance(exc, (CommitError, StoreError)) and not isinstance(exc, SaveAbandonedError)
 
 
 def hash_config(config: Any) -> str:
     """A stable SHA-256 of a JSON-able config (sorted keys), for ``config_hash=``."""
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _commit_time(manifest: Manifest) -> float:
+    """Epoch seconds of ``manifest``'s commit (now, when it does not say)."""
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(manifest.created_at.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return time.time()
 
 
 def _key_of(body: bytes) -> str:
@@ -127,6 +154,30 @@ class CheckpointManager:
             warning and returns a handle with ``skipped=True``.
         metrics: a :class:`~objckpt.metrics.CheckpointMetrics` fed with every save, restore,
             retry and validation failure (``None``: no metrics, no cost).
+        on_save_error: what a save that did not commit (a store outage past the retry budget, a
+            rank's failed upload, failed commit checks) does to the training loop. ``"raise"``
+            (default): :meth:`save` raises it, and a failed :meth:`save_async` raises from its
+            handle or the next ``save``/``save_async``/``close``. ``"warn"``: it is logged loudly
+            (ERROR, with the last valid checkpoint and how long ago it was committed), counted in
+            the metrics, and training goes on: :meth:`save` returns ``None``, the next due
+            checkpoint tries again (``handle.wait()`` still raises for whoever asks). Errors in
+            the state itself (``TrainingStateError``...), disagreeing or missing ranks are raised
+            either way.
+        mirror: a second run root (URI or Store: another bucket, region or cloud) that every
+            committed checkpoint is replicated to in the background by the same commit protocol
+            (:mod:`objckpt.coordination.mirror`); :meth:`restore` takes the mirror's copy when
+            the primary cannot be read past its retry budget or its checkpoint is damaged, and
+            says so loudly. Every rank passes the same one. The mirror gets the same retention.
+        mirror_policy: back-pressure when commits come faster than the mirror copies them:
+            ``"latest"`` (default: a waiting commit is replaced by a newer one, training never
+            waits) or ``"wait"`` (every commit is mirrored; the commit after the waiting one
+            blocks rank 0 inside the commit until the mirror has taken it -- at most one
+            replication, which must stay well under ``timeout``, as the other ranks wait for
+            the commit's outcome meanwhile).
+        check: check the run root (and the mirror) at construction: ``True`` (default) one LIST
+            per root (the server answers, the bucket exists, the credentials may read it);
+            ``"write"`` also a probe write and delete; ``False`` nothing. A failure is raised on
+            every rank, naming the bucket.
         **store_options: options for :func:`objckpt.store.open_store` when a URI is given
             (``endpoint_url=``, ``path_style=``, ``part_size=``, ...).
 
@@ -152,10 +203,21 @@ class CheckpointManager:
         max_staging_bytes: int | None = None,
         async_policy: str = WAIT,
         metrics: CheckpointMetrics | None = None,
+        on_save_error: str = RAISE,
+        mirror: str | Store | None = None,
+        mirror_policy: str = "latest",
+        check: bool | str = True,
         **store_options: Any,
     ) -> None:
         if async_policy not in _POLICIES:
             raise ValueError(f"async_policy must be one of {_POLICIES}, got {async_policy!r}")
+        if on_save_error not in _ON_SAVE_ERROR:
+            raise ValueError(f"on_save_error must be one of {_ON_SAVE_ERROR}, got {on_save_error!r}")
+        if check not in (True, False, "write"):
+            raise ValueError(f"check must be True, False or 'write', got {check!r}")
+        self.on_save_error = on_save_error
+        #: (step, epoch seconds of its commit) of the last checkpoint known valid on this rank
+        self._last_valid: tuple[int, float] | None = None
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if every is not None and every < 1:
@@ -176,6 +238,13 @@ class CheckpointManager:
         self.comm = make_comm(timeout=timeout, handshake_timeout=handshake_timeout, background=True)
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
+        self._mirror_store: Store | None = None
+        self._owns_mirror = False
+        if mirror is not None:
+            self._mirror_store, self._owns_mirror = open_root(mirror)
+        self._primary_down: BaseException | None = None
+        if check:
+            self._check_roots(write=check == "write")
         identity: dict[str, Any] = {"world_size": self.world_size}
         if config_hash is not None:
             identity["config_hash"] = config_hash
@@ -184,15 +253,29 @@ class CheckpointManager:
         retention = (
             RetentionPolicy(keep_last=keep_last, keep_every=keep_every) if keep_last is not None else None
         )
-        self._saves = SaveSession(
+        self._mirror = (
+            Mirror(
+                self.store,
+                self._mirror_store,
+                retention=retention,
+                grace_period=gc_grace_period,
+                metrics=metrics,
+                policy=mirror_policy,
+            )
+            if self._mirror_store is not None
+            else None
+        )
+        self._saves = save_session(
             self.store,
             self.comm,
+            mirror=self._mirror,
             retention=retention,
             grace_period=gc_grace_period,
             metrics=metrics,
             identity=identity,
         )
-        self._restores = RestoreSession(self.store, self.comm, metrics=metrics)
+        self._restores = RestoreSession(self.store, self.comm, metrics=metrics, mirror=self._mirror_store)
+        self._restores.primary_down = self._primary_down  # the first restore skips a primary known down
         # The background save thread's own channel: it alone issues collectives there, so their
         # order is the same on every rank whatever the training thread does meanwhile.
         self._background = BackgroundSaver(self._saves, self.comm.background())
@@ -246,7 +329,7 @@ class CheckpointManager:
             return None
         self._check_open()
         started = time.monotonic()
-        pending = self._background.settle()
+        pending = self._settle()
         cap, error = self._capture(step, state)
         ticket = self._begin(step, cap, error, pending, kind="save", busy=False)
         assert cap is not None and ticket.writer is not None
@@ -255,7 +338,13 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, raised everywhere
             log.error("rank %d failed to write its shards for step %d: %s", self.rank, step, exc)
             ticket.fail(exc)
-        manifest = self._finish(ticket, cap, {}, metadata)
+        try:
+            manifest = self._finish(ticket, cap, {}, metadata)
+        except Exception as exc:
+            if self.on_save_error == WARN and _is_save_failure(exc):
+                self._warn_failed(step, exc)  # the same error on every rank: all go on alike
+                return None
+            raise
         self.last_save = {"step": step, "bytes": cap.bytes_written, "seconds": time.monotonic() - started}
         return manifest
 
@@ -309,7 +398,7 @@ class CheckpointManager:
         self._check_open()
         started = time.monotonic()
         busy = policy == SKIP and self._background.busy
-        pending = None if busy else self._background.settle()
+        pending = None if busy else self._settle()
         cap, error = self._capture(step, state)
         plan = None
         if cap is not None and error is None:
@@ -339,7 +428,12 @@ class CheckpointManager:
         handle.blocking_seconds = time.monotonic() - started
 
         def finish(t: SaveTicket, c: shards.Capture, options: Mapping[str, Any]) -> Manifest:
-            manifest = self._finish(t, c, options, metadata, blocking=handle.blocking_seconds)
+            try:
+                manifest = self._finish(t, c, options, metadata, blocking=handle.blocking_seconds)
+            except Exception as exc:
+                if self.on_save_error == WARN and _is_save_failure(exc):
+                    self._warn_failed(step, exc)
+                raise
             self.last_save = {
                 "step": step,
                 "bytes": c.bytes_written,
@@ -406,8 +500,14 @@ class CheckpointManager:
             prep_error = exc
 
         def stage(manifest: Manifest) -> shards.Staged:
+            # the session's reader: the primary's, or the mirror's when the checkpoint comes from it
             return shards.stage(
-                self.reader, manifest, state, rank=self.rank, world_size=self.world_size, strict=strict
+                self._restores.reader,
+                manifest,
+                state,
+                rank=self.rank,
+                world_size=self.world_size,
+                strict=strict,
             )
 
         def apply(manifest: Manifest, staged: shards.Staged) -> None:
@@ -418,6 +518,7 @@ class CheckpointManager:
         if restored is None:
             return None
         self.fallbacks.extend(restored.fallbacks)
+        self._last_valid = (restored.step, _commit_time(restored.manifest))
         return restored.step
 
     def rollback(self, step: int, *, timeline: int | None = None) -> int:
@@ -494,12 +595,22 @@ class CheckpointManager:
                     error = None
             elif abandon and handle is not None and handle.abandon_requested and handle.committed:
                 log.info("save of step %d was committed before the abandon request took effect", handle.step)
+            if error is not None and self.on_save_error == WARN and _is_save_failure(error):
+                error = None  # logged loudly when it happened (on_save_error="warn")
         finally:
             self._closed = True
             self._staging.release()
-            self.comm.close()
-            if self._owns_store:
-                self.store.close()
+            try:
+                if self._mirror is not None:
+                    # the last commits reach the mirror before the job goes (bounded by the
+                    # stores' retry budgets); abandon: the waiting one is dropped
+                    self._mirror.close(wait=not abandon)
+            finally:
+                self.comm.close()
+                if self._owns_store:
+                    self.store.close()
+                if self._owns_mirror and self._mirror_store is not None:
+                    self._mirror_store.close()
         if error is not None:
             raise error
 
@@ -522,6 +633,98 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("this CheckpointManager is closed")
+
+    def _check_roots(self, *, write: bool) -> None:
+        """One cheap request per root on every rank (a probe write too when asked, rank 0 only);
+        decided on every rank alike. Raised: any problem of the primary without a mirror, and
+        configuration problems (missing bucket, permissions) of either root. With a mirror, a
+        primary that is unreachable past its retry budget is logged loudly instead: the first
+        restore then goes to the mirror without waiting for the primary again."""
+        from ..coordination.comm import agree
+        from ..errors import TransientError, decode_error, with_rank
+
+        report: dict[str, Any] = {}
+        for name, store in (("primary", self.store), ("mirror", self._mirror_store)):
+            if store is None:
+                continue
+            try:
+                store.check(write=write and self.rank == 0)
+            except Exception as exc:  # noqa: BLE001 - decided by every rank alike
+                report[name] = encode_error(exc)
+        mirrored = self._mirror_store is not None
+
+        def decide(results: list[dict[str, Any]]) -> dict[str, Any]:
+            down: dict[str, Any] | None = None
+            for name in ("primary", "mirror"):
+                for rank, result in enumerate(results):
+                    if name not in result:
+                        continue
+                    exc = decode_error(result[name])
+                    if mirrored and isinstance(exc, TransientError):
+                        if name == "primary" and down is None:
+                            down = result[name]
+                        continue  # the other root can stand in
+                    raise with_rank(exc, rank) if rank else exc
+            mirror_down = next((r["mirror"] for r in results if "mirror" in r), None)
+            if down is not None and mirror_down is not None:
+                raise decode_error(down)  # neither root answers
+            return {"primary_down": down, "mirror_down": mirror_down}
+
+        try:
+            outcome = agree(self.comm, report, decide, "store check", handshake=True)
+        except BaseException:
+            self.comm.close()
+            if self._owns_store:
+                self.store.close()
+            if self._owns_mirror and self._mirror_store is not None:
+                self._mirror_store.close()
+            raise
+        if outcome.get("mirror_down"):
+            log.error(
+                "the mirror run root %s is unreachable (%s): checkpoints are not mirrored until it is back",
+                self._mirror_store.location if self._mirror_store is not None else "",
+                decode_error(outcome["mirror_down"]),
+            )
+        if outcome.get("primary_down"):
+            down = decode_error(outcome["primary_down"])
+            log.error(
+                "THE PRIMARY RUN ROOT %s IS UNREACHABLE (%s); the first restore reads the mirror %s, saves go "
+                "to the primary (and fail until it is back)",
+                self.store.location,
+                down,
+                self._mirror_store.location if self._mirror_store is not None else "",
+            )
+            self._primary_down = down
+
+    def _settle(self) -> BaseException | None:
+        """Wait for the in-flight save_async; its unseen error, unless ``on_save_error="warn"``
+        already reported it (then it is marked seen and training goes on)."""
+        pending = self._background.settle()
+        if pending is not None and self.on_save_error == WARN and _is_save_failure(pending):
+            handle = self._background.last
+            if handle is not None:
+                handle._observed = True
+            return None
+        if pending is None and self._background.last is not None and self._background.last.done():
+            manifest = self._background.last._manifest
+            if manifest is not None:
+                self._last_valid = (manifest.step, _commit_time(manifest))
+        return pending
+
+    def _warn_failed(self, step: int, exc: BaseException) -> None:
+        last = self._last_valid
+        if last is None:
+            since = "no checkpoint of this run has been committed or restored yet: everything trained so far is at risk"
+        else:
+            since = f"the last valid checkpoint is step {last[0]}, committed {max(0.0, time.time() - last[1]):.0f} s ago"
+        log.error(
+            "CHECKPOINT NOT SAVED: step %d did not commit (%s: %s); training goes on (on_save_error='warn') and "
+            "the next due checkpoint tries again; %s",
+            step,
+            type(exc).__name__,
+            exc,
+            since,
+        )
 
     def _capture(self, step: int, state: Mapping[str, Any]) -> tuple[shards.Capture | None, Exception | None]:
         try:
@@ -568,7 +771,7 @@ class CheckpointManager:
         *,
         blocking: float | None = None,
     ) -> Manifest:
-        return self._saves.finish(
+        manifest = self._saves.finish(
             ticket,
             progress=cap.progress,
             topology=cap.topology(),
@@ -576,6 +779,8 @@ class CheckpointManager:
             blocking_seconds=blocking,
             **options,
         )
+        self._last_valid = (manifest.step, time.time())
+        return manifest
 
     def _check_identity(self, manifest: Manifest) -> None:
         saved = manifest.run.get("config_hash")

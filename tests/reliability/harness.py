@@ -225,3 +225,41 @@ def localstack_unavailable() -> str | None:
     if not LocalStackServer.available():
         return f"LocalStack is not installed (run: {LOCALSTACK_INSTALL_HINT})"
     return None
+
+
+# ---------------------------------------------------------------------------------- report sections
+
+_SECTION = "<!-- section:{name} (written by {script}; rerun it to update) -->"
+_END = "<!-- /section:{name} -->"
+
+
+def report_sections(text: str) -> dict[str, str]:
+    """The generated sections of RELIABILITY.md (soak, leak), each with its markers, by name: what
+    ``scripts/reliability.py`` keeps when it rewrites the rest of the file."""
+    import re
+
+    out = {}
+    for m in re.finditer(r"<!-- section:([a-z0-9-]+) .*?-->.*?<!-- /section:\1 -->\n?", text, re.S):
+        out[m.group(1)] = m.group(0)
+    return out
+
+
+def write_report_section(path: str, name: str, script: str, body: str) -> None:
+    """Replace section ``name`` of the report at ``path`` with ``body`` (markdown), or append it."""
+    import re
+
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = "# objckpt reliability matrix\n\n"
+    block = f"{_SECTION.format(name=name, script=script)}\n{body.rstrip()}\n{_END.format(name=name)}\n"
+    pattern = re.compile(rf"<!-- section:{re.escape(name)} .*?-->.*?<!-- /section:{re.escape(name)} -->\n?", re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

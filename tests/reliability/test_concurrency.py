@@ -70,8 +70,8 @@ def test_two_coordinators_commit_the_same_step(mleg: Leg) -> None:
                 s = open_store(uri, retry=FAST_RETRY)
                 others.append(s)
                 coords[k] = Coordinator(s, world_size=2)
-            a, b = _race([lambda k=k: coords[k].commit(step, att[k], reports[k]) for k in "AB"])
-            won = [k for k, r in zip("AB", (a, b)) if isinstance(r, Manifest)]
+            a, b = _race([lambda k=k: coords[k].commit(step, att[k], reports[k]) for k in "AB"])  # noqa: B023 - run at once
+            won = [k for k, r in zip("AB", (a, b), strict=True) if isinstance(r, Manifest)]
             lost = [r for r in (a, b) if not isinstance(r, Manifest)]
             assert len(won) == 1, (a, b)
             assert len(lost) == 1 and isinstance(lost[0], CommitConflict), lost
@@ -127,8 +127,8 @@ def test_racing_coordinators_leave_the_pointer_on_the_newest_step(mleg: Leg) -> 
             try:
                 results = _race(
                     [
-                        lambda s=s, st=st: Coordinator(st, world_size=1).commit(s, *prepared[s])
-                        for s, st in zip(steps, stores)
+                        lambda s=s, st=st: Coordinator(st, world_size=1).commit(s, *prepared[s])  # noqa: B023
+                        for s, st in zip(steps, stores, strict=True)
                     ]
                 )
             finally:

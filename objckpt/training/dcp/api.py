@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
 )
 
+from ...coordination.mirror import Mirror
 from ...coordination.restore import RestoreSession
 from ...coordination.roots import open_root
 from ...errors import (
@@ -78,6 +79,7 @@ def save_sharded(
     metadata: Mapping[str, Any] | None = None,
     retention: RetentionPolicy | None = None,
     metrics: CheckpointMetrics | None = None,
+    mirror: StoreLike | Mirror | None = None,
     **store_options: Any,
 ) -> int:
     """``dcp.save`` ``state_dict`` as committed step ``step`` on every rank of the group.
@@ -85,6 +87,11 @@ def save_sharded(
     Call on every rank (with no process group initialized: a single-process save). Returns the
     committed step on every rank. ``retention`` is applied by the coordinator after the commit;
     ``store_options`` open a URI (as :func:`objckpt.store.open_store`).
+
+    ``mirror``: a :class:`~objckpt.coordination.mirror.Mirror` (long-lived: the commit is
+    handed to it and replicated in the background), or a second run root (URI or Store), which
+    the coordinator re-commits the checkpoint on before returning (with ``retention`` there
+    too); a failed copy is logged loudly, never the save's failure.
 
     Atomicity: the step is committed whole (manifest + pointer) or not at all; a failure never
     modifies any other checkpoint.
@@ -101,11 +108,33 @@ def save_sharded(
     )  # fmt: skip
     try:
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+        if mirror is not None and writer.manifest is not None:  # the coordinator, committed
+            _mirror_commit(writer.store, writer.manifest, mirror, retention, metrics)
     except CheckpointException as cpe:
         raise commit_error_from(cpe, step=step, location=writer.store.location) from cpe
     finally:
         writer.close()
     return step
+
+
+def _mirror_commit(
+    store: Store,
+    manifest: Manifest,
+    mirror: StoreLike | Mirror,
+    retention: RetentionPolicy | None,
+    metrics: CheckpointMetrics | None,
+) -> None:
+    if isinstance(mirror, Mirror):
+        mirror.submit(manifest)
+        return
+    target, owns = open_root(mirror)
+    try:
+        once = Mirror(store, target, retention=retention, metrics=metrics, policy="wait")
+        once.submit(manifest)
+        once.close(wait=True)  # logged loudly and counted if it failed; the save is committed
+    finally:
+        if owns:
+            target.close()
 
 
 def async_save_sharded(
@@ -165,6 +194,7 @@ def load_sharded(
     process_group: dist.ProcessGroup | None = None,
     planner: LoadPlanner | None = None,
     metrics: CheckpointMetrics | None = None,
+    mirror: StoreLike | None = None,
     **store_options: Any,
 ) -> int:
     """``dcp.load`` into ``state_dict`` (in place, resharding as needed); returns the step loaded.
@@ -175,6 +205,8 @@ def load_sharded(
     finds it damaged (:func:`objckpt.errors.is_damage`), every rank falls back to its parent
     together, loudly (a ``RuntimeWarning`` and a log warning). An outage, a permission error or a
     policy refusal is raised, never a reason to fall back. An explicit ``step`` never falls back.
+    ``mirror``: the run root ``save_sharded(mirror=)`` copied to; its copy is loaded when the
+    primary cannot be read or its checkpoint is damaged (loudly).
 
     Raises (on every rank alike):
         NoCheckpointError: nothing is committed, nothing usable is, or ``step`` is not
@@ -185,11 +217,15 @@ def load_sharded(
         missing from the checkpoint), never DCP's ``CheckpointException``.
     """
     store, owns = open_root(uri_or_store, store_options)
+    mirror_store, owns_mirror = open_root(mirror) if mirror is not None else (None, False)
     try:
-        session = RestoreSession(store, shared_comm(process_group), metrics=metrics, label="DCP load")
+        session = RestoreSession(
+            store, shared_comm(process_group), metrics=metrics, label="DCP load", mirror=mirror_store
+        )
 
         def stage(manifest: Manifest) -> int:
-            reader = ObjckptStorageReader(store, manifest=manifest)
+            # the session's root: the mirror's after a restore from it
+            reader = ObjckptStorageReader(session.reader.store, manifest=manifest)
             try:
                 dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
             except CheckpointException as cpe:
@@ -206,6 +242,8 @@ def load_sharded(
     finally:
         if owns:
             store.close()
+        if owns_mirror and mirror_store is not None:
+            mirror_store.close()
 
 
 def _load_error(fails: dict[int, BaseException], reader: ObjckptStorageReader) -> BaseException:
