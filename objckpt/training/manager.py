@@ -48,6 +48,7 @@ from ..reader import Reader
 from ..store import Store
 from . import shards
 from .background import BackgroundSaver
+from .codec import CompressionPolicy
 from .dist import make_comm
 from .staging import SaveHandle, StagingArea
 from .state import RestoreReport, classify
@@ -127,6 +128,13 @@ class CheckpointManager:
             warning and returns a handle with ``skipped=True``.
         metrics: a :class:`~objckpt.metrics.CheckpointMetrics` fed with every save, restore,
             retry and validation failure (``None``: no metrics, no cost).
+        dedup: write only what changed (default): chunks of the state whose bytes the parent
+            checkpoint (the one restored or last committed) already holds are recorded as
+            references to them instead of being written again (:mod:`.dedup`). ``False``
+            writes every byte of every save.
+        compression: ``None`` (default), ``"zstd"`` (byte-plane split + zstd on float
+            tensors) or ``"auto"`` (only for tensor classes where it shortens the save at the
+            measured upload bandwidth), see :mod:`.codec`.
         **store_options: options for :func:`objckpt.store.open_store` when a URI is given
             (``endpoint_url=``, ``path_style=``, ``part_size=``, ...).
 
@@ -152,6 +160,8 @@ class CheckpointManager:
         max_staging_bytes: int | None = None,
         async_policy: str = WAIT,
         metrics: CheckpointMetrics | None = None,
+        dedup: bool = True,
+        compression: str | None = None,
         **store_options: Any,
     ) -> None:
         if async_policy not in _POLICIES:
@@ -173,6 +183,8 @@ class CheckpointManager:
         self.metrics = metrics
         self._staging = StagingArea(max_staging_bytes)  # validates the budget before any collective
         self.async_policy = async_policy
+        self.dedup = bool(dedup)
+        self._compression = CompressionPolicy(compression)  # validates before any collective
         self.comm = make_comm(timeout=timeout, handshake_timeout=handshake_timeout, background=True)
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
@@ -528,6 +540,7 @@ class CheckpointManager:
             cap = shards.capture(
                 step, state, rank=self.rank, world_size=self.world_size, replicated_names=self.replicated
             )
+            cap.dedup, cap.compression = self.dedup, self._compression
             return cap, None
         except Exception as exc:  # noqa: BLE001 - every rank raises the same error after the handshake
             return None, exc
@@ -567,6 +580,23 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None,
         *,
         blocking: float | None = None,
+    ) -> Manifest:
+        ticket.references.extend(cap.references)
+        started = time.monotonic()
+        try:
+            return self._finish_save(ticket, cap, options, metadata, blocking)
+        finally:
+            if cap.bytes_written and ticket.started:
+                # the upload bandwidth compression="auto" weighs its codecs against
+                self._compression.bandwidth = cap.bytes_written / max(1e-6, started - ticket.started)
+
+    def _finish_save(
+        self,
+        ticket: SaveTicket,
+        cap: shards.Capture,
+        options: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None,
+        blocking: float | None,
     ) -> Manifest:
         return self._saves.finish(
             ticket,
