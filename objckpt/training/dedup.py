@@ -117,18 +117,30 @@ def remember(store: Store, step: int, attempt: str, rank: int, name: str, header
     """Keep the chunk table of shard ``name`` of ``rank`` of attempt ``attempt`` (just written,
     or just restored), so the next save indexes it without a request."""
     entries = index_entries(header) if header.get("hash") == HASH_NAME else []
-    with _cache.lock:
-        slot = _cache.slot(store)
-        shards = slot.setdefault((step, attempt), {})
-        shards[(rank, name)] = entries
-        slot.move_to_end((step, attempt))
-        while len(slot) > _KEEP:
-            slot.popitem(last=False)
+    remember_entries(store, step, attempt, (rank, name), entries)
 
 
 def recall(store: Store, step: int, attempt: str) -> dict[tuple[int, str], list[_Entry]]:
     with _cache.lock:
         return dict(_cache.slot(store).get((step, attempt), {}))
+
+
+def remember_value(store: Store, step: int, attempt: str, tag: str, value: Any) -> None:
+    """Keep ``value`` (e.g. a DCP checkpoint's item table) for checkpoint ``(step, attempt)``."""
+    remember_entries(store, step, attempt, (-1, tag), value)
+
+
+def recall_value(store: Store, step: int, attempt: str, tag: str) -> Any:
+    return recall(store, step, attempt).get((-1, tag))
+
+
+def remember_entries(store: Store, step: int, attempt: str, shard: tuple[int, str], value: Any) -> None:
+    with _cache.lock:
+        slot = _cache.slot(store)
+        slot.setdefault((step, attempt), {})[shard] = value
+        slot.move_to_end((step, attempt))
+        while len(slot) > _KEEP:
+            slot.popitem(last=False)
 
 
 def forget(store: Store) -> None:
@@ -212,7 +224,8 @@ def build_index(
             kept[rank_name] = index_entries(got[0]) if got[0].get("hash") == HASH_NAME else []
             remember(store, parent.step, parent.attempt, rank_name[0], rank_name[1], got[0])
     for (r, name), entries in kept.items():
-        index.add((*parent.ref, r, name), entries)
+        if r >= 0:  # negative ranks hold other kinds of tables (remember_value)
+            index.add((*parent.ref, r, name), entries)
     return index
 
 

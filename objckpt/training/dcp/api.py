@@ -78,13 +78,16 @@ def save_sharded(
     metadata: Mapping[str, Any] | None = None,
     retention: RetentionPolicy | None = None,
     metrics: CheckpointMetrics | None = None,
+    dedup: bool = True,
     **store_options: Any,
 ) -> int:
     """``dcp.save`` ``state_dict`` as committed step ``step`` on every rank of the group.
 
     Call on every rank (with no process group initialized: a single-process save). Returns the
     committed step on every rank. ``retention`` is applied by the coordinator after the commit;
-    ``store_options`` open a URI (as :func:`objckpt.store.open_store`).
+    ``store_options`` open a URI (as :func:`objckpt.store.open_store`). ``dedup``: tensor items
+    unchanged since the parent checkpoint are not written again (see
+    :class:`ObjckptStorageWriter`).
 
     Atomicity: the step is committed whole (manifest + pointer) or not at all; a failure never
     modifies any other checkpoint.
@@ -97,7 +100,7 @@ def save_sharded(
     step = check_step(step)
     writer = ObjckptStorageWriter(
         uri_or_store, step, progress=progress, run=run, metadata=metadata,
-        retention=retention, metrics=metrics, store_options=store_options,
+        retention=retention, metrics=metrics, store_options=store_options, dedup=dedup,
     )  # fmt: skip
     try:
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
@@ -119,6 +122,7 @@ def async_save_sharded(
     metadata: Mapping[str, Any] | None = None,
     retention: RetentionPolicy | None = None,
     metrics: CheckpointMetrics | None = None,
+    dedup: bool = True,
     **store_options: Any,
 ) -> concurrent.futures.Future[int]:
     """``dcp.async_save`` (thread executor) to committed step ``step``.
@@ -129,7 +133,7 @@ def async_save_sharded(
     step = check_step(step)
     writer = ObjckptStorageWriter(
         uri_or_store, step, progress=progress, run=run, metadata=metadata,
-        retention=retention, metrics=metrics, store_options=store_options,
+        retention=retention, metrics=metrics, store_options=store_options, dedup=dedup,
     )  # fmt: skip
     try:
         response = dcp.async_save(state_dict, storage_writer=writer, process_group=process_group)
