@@ -43,6 +43,7 @@ __all__ = [
     "ChunkIndex",
     "build_index",
     "chunk_hash",
+    "chunk_sample",
     "parent_for",
     "recall",
     "remember",
@@ -66,11 +67,37 @@ try:
         """The 128-bit content hash of a chunk (releases the GIL: chunks hash in parallel)."""
         return _xxhash.xxh3_128_digest(data)
 
+    def _digest64(data: Any) -> bytes:
+        return _xxhash.xxh3_64_digest(data)
+
 except ImportError:  # pragma: no cover - exercised where xxhash is not installed
     HASH_NAME = "blake2b-128"
 
     def chunk_hash(data: Any) -> bytes:
         return hashlib.blake2b(data, digest_size=16).digest()
+
+    def _digest64(data: Any) -> bytes:
+        return hashlib.blake2b(data, digest_size=8).digest()
+
+
+#: words sampled across a chunk (plus its last word): what tells a changed chunk from a maybe
+#: unchanged one without reading all of it
+SAMPLE_WORDS = 64
+
+
+def chunk_sample(data: Any) -> bytes:
+    """A 64-bit digest of ``SAMPLE_WORDS`` 8-byte words spread evenly over ``data`` and its last
+    word: equal for equal chunks, and, for a chunk where most values changed (a training step),
+    different with near certainty. It only decides whether a chunk is worth hashing in full;
+    reuse is decided by the full 128-bit hash alone."""
+    view = memoryview(data).cast("B")
+    n = view.nbytes
+    if n <= 16 * SAMPLE_WORDS:
+        return _digest64(view)
+    stride = n // SAMPLE_WORDS
+    words = [view[i * stride : i * stride + 8] for i in range(SAMPLE_WORDS)]
+    words.append(view[n - 8 :])
+    return _digest64(b"".join(words))
 
 
 def parent_for(store: Store, step: int) -> Manifest | None:
@@ -90,7 +117,7 @@ def parent_for(store: Store, step: int) -> Manifest | None:
 
 # ---------------------------------------------------------------------------------- header cache
 
-_Entry = tuple[bytes, int, Identity | None, int, int, str | None, str | None]
+_Entry = tuple[bytes | None, bytes | None, int, Identity | None, int, int, str | None, str | None]
 _KEEP = 2  # checkpoints' headers kept per run root: the last commit and the one before
 
 
@@ -159,6 +186,8 @@ class ChunkIndex:
     parent: Manifest
     hash_name: str = HASH_NAME
     chunks: dict[tuple[bytes, int], ChunkTarget] = field(default_factory=dict)
+    #: samples of the parent's chunks: a live chunk is hashed in full only when its sample is here
+    samples: set[tuple[bytes, int]] = field(default_factory=set)
     objects: dict[Identity, Reference] = field(default_factory=dict)
     #: shard headers read from the store to build it (0 when kept in-process)
     requests: int = 0
@@ -166,17 +195,23 @@ class ChunkIndex:
     def lookup(self, digest: bytes, length: int) -> ChunkTarget | None:
         return self.chunks.get((digest, length))
 
+    def has_sample(self, sample: bytes, length: int) -> bool:
+        return (sample, length) in self.samples
+
     def references_used(self, identities: Iterable[Identity]) -> list[Reference]:
         return [self.objects[i] for i in sorted(set(identities))]
 
     def add(self, own: Identity, entries: Iterable[_Entry]) -> None:
-        for digest, length, ref, offset, stored, codec, crc in entries:
+        for digest, sample, length, ref, offset, stored, codec, crc in entries:
             ident = own if ref is None else ref
             if ident not in self.objects:
                 continue  # the parent neither holds nor references it: not reusable
             if offset + stored > self.objects[ident].size:
                 continue
-            self.chunks.setdefault((digest, length), ChunkTarget(ident, offset, stored, codec, crc))
+            if sample is not None:
+                self.samples.add((sample, length))
+            if digest is not None:
+                self.chunks.setdefault((digest, length), ChunkTarget(ident, offset, stored, codec, crc))
 
 
 def build_index(

@@ -44,13 +44,16 @@ shorter), each either *local* or a *reference* to a byte range of an ancestor's 
     <u64 header offset> <u64 header length> <u32 header CRC32C> <4 zero bytes> b"OBJCKPT\\x03"
 
 An array entry is ``{"kind", "dtype", "shape", "nbytes", "chunks": [...]}``; a chunk is
-``{"at": <absolute offset in this object>, "n": <stored bytes>, "h": <content hash>}`` (local) or
-``{"ref": {"from": [timeline, step], "rank": r, "name": n, "offset": o}, "n": ..., "h": ...,
-"crc": <CRC32C>}`` (bytes ``[o, o+n)`` of shard ``n`` of rank ``r`` of checkpoint ``(timeline,
-step)``: named by identity, never by key, so a copy to another run root only rewrites the
-manifest's references). ``"z": <codec>`` marks a compressed chunk (:mod:`.codec`); hashes and
-CRC32Cs are always of the uncompressed bytes. Chunks of arrays smaller than ``dedup.MIN_BYTES``
-carry no hash. The footer's CRC32C covers the header, so the next save can read the header
+``{"at": <absolute offset in this object>, "n": <stored bytes>, "s": <sample>, "h": <content
+hash>}`` (local) or ``{"ref": {"from": [timeline, step], "rank": r, "name": n, "offset": o},
+"n": ..., "s": ..., "h": ..., "crc": <CRC32C>}`` (bytes ``[o, o+n)`` of shard ``n`` of rank
+``r`` of checkpoint ``(timeline, step)``: named by identity, never by key, so a copy to another
+run root only rewrites the manifest's references). ``"z": <codec>`` marks a compressed chunk
+(:mod:`.codec`); hashes and CRC32Cs are always of the uncompressed bytes. ``"s"`` is a 64-bit
+digest of 65 words sampled across the chunk (:func:`.dedup.chunk_sample`): a chunk is hashed in
+full (``"h"``) only when its sample equals a parent chunk's (or when there is no parent to
+compare with), so a save where everything changed hashes nothing. Chunks of arrays smaller than
+``dedup.MIN_BYTES`` carry neither. The footer's CRC32C covers the header, so the next save can read the header
 alone with one ranged GET and trust it; a restore reads the footer first (one small ranged GET),
 then streams the object (whose full CRC32C covers everything again), then fetches the referenced
 ranges, each checked against its chunk's CRC32C before use.
@@ -469,6 +472,10 @@ class ChunkOptions:
     hash_fn: Callable[[Any], bytes]
     min_bytes: int
     lookup: Callable[[bytes, int], ChunkTarget | None] | None = None
+    #: the cheap sample of a chunk, and whether the parent has a chunk with that sample (None:
+    #: hash every chunk in full, e.g. when there is no parent to compare with)
+    sample_fn: Callable[[Any], bytes] | None = None
+    candidate: Callable[[bytes, int], bool] | None = None
     codec: Callable[[str, int, int], str | None] | None = None
     compress: Callable[[memoryview, str], bytes | None] | None = None
     part_size: int = 16 * 1024 * 1024
@@ -523,15 +530,18 @@ class ChunkedState:
                     v = views[ai] = _bytes_view(self.arrays[ai])
                 return v
 
-        def work(ai: int, start: int, length: int) -> tuple[bytes | None, Any, str | None, Any]:
+        def work(ai: int, start: int, length: int) -> tuple[bytes | None, bytes | None, Any, str | None, Any]:
             arr = self.arrays[ai]
             if arr.nbytes < opts.min_bytes:
-                return None, None, None, None  # small: always local, unhashed
+                return None, None, None, None, None  # small: always local, unhashed
             chunk = view_of(ai)[start : start + length]
-            digest = opts.hash_fn(chunk)
-            target = opts.lookup(digest, length) if opts.lookup is not None else None
+            sample = opts.sample_fn(chunk) if opts.sample_fn is not None else None
+            digest = target = None
+            if opts.candidate is None or (sample is not None and opts.candidate(sample, length)):
+                digest = opts.hash_fn(chunk)
+                target = opts.lookup(digest, length) if opts.lookup is not None else None
             if target is not None:
-                return digest, target, target.crc or crc32c_b64(chunk), None
+                return digest, sample, target, target.crc or crc32c_b64(chunk), None
             packed = None
             if opts.codec is not None and opts.compress is not None:
                 codec = opts.codec(arr.dtype, arr.nbytes // max(1, math.prod(arr.shape) or 1), length)
@@ -539,7 +549,7 @@ class ChunkedState:
                     out = opts.compress(chunk, codec)
                     if out is not None:
                         packed = (codec, out)
-            return digest, None, None, packed
+            return digest, sample, None, None, packed
 
         # run: contiguous local raw bytes of one array not yet yielded: [array, start, length)
         run: list[Any] = [None, 0, 0]
@@ -575,7 +585,7 @@ class ChunkedState:
                     a, _, st, ln = pieces[submitted]
                     futures.append(pool.submit(work, a, st, ln))
                     submitted += 1
-                digest, target, crc, packed = futures[i].result()
+                digest, sample, target, crc, packed = futures[i].result()
                 futures[i] = None  # type: ignore[call-overload]  # free a compressed chunk early
                 chunk: dict[str, Any]
                 if target is not None:
@@ -608,6 +618,8 @@ class ChunkedState:
                     run[2] += length
                     self.local_bytes += length
                     yield from flush(True)
+                if sample is not None:
+                    chunk["s"] = sample.hex()
                 if digest is not None:
                     chunk["h"] = digest.hex()
                 entries[ai]["chunks"].append(chunk)
@@ -702,13 +714,14 @@ def read_header(
     return header, offset
 
 
-def index_entries(
-    header: Mapping[str, Any],
-) -> list[tuple[bytes, int, Identity | None, int, int, str | None, str | None]]:
-    """Every hashed chunk of a version-3 header: ``(digest, length, ref identity or None for a
-    local chunk, offset, stored, codec, crc32c)``. Malformed entries are left out (the index is
-    an optimisation: a chunk not found is simply written again)."""
-    out: list[tuple[bytes, int, Identity | None, int, int, str | None, str | None]] = []
+IndexEntry = tuple[bytes | None, bytes | None, int, Identity | None, int, int, str | None, str | None]
+
+
+def index_entries(header: Mapping[str, Any]) -> list[IndexEntry]:
+    """Every sampled or hashed chunk of a version-3 header: ``(digest or None, sample or None,
+    length, ref identity or None for a local chunk, offset, stored, codec, crc32c)``. Malformed
+    entries are left out (the index is an optimisation: a chunk not found is written again)."""
+    out: list[IndexEntry] = []
     cs = header.get("chunk_size")
     arrays = header.get("arrays")
     if not _is_int(cs) or not isinstance(arrays, list):
@@ -718,7 +731,12 @@ def index_entries(
             continue
         nbytes = a["nbytes"]
         for k, c in enumerate(a["chunks"]):
-            if not isinstance(c, dict) or not isinstance(c.get("h"), str) or not _HASH_RE.match(c["h"]):
+            if not isinstance(c, dict):
+                continue
+            h, smp = c.get("h"), c.get("s")
+            digest = bytes.fromhex(h) if isinstance(h, str) and _HASH_RE.match(h) else None
+            sample = bytes.fromhex(smp) if isinstance(smp, str) and _HASH_RE.match(smp) else None
+            if digest is None and sample is None:
                 continue
             length = min(cs, nbytes - k * cs)
             stored, codec, crc = c.get("n"), c.get("z"), c.get("crc")
@@ -727,13 +745,13 @@ def index_entries(
             crc = crc if isinstance(crc, str) else None
             ref = c.get("ref")
             if ref is None and _is_int(c.get("at")):
-                out.append((bytes.fromhex(c["h"]), length, None, c["at"], stored, codec, crc))
+                out.append((digest, sample, length, None, c["at"], stored, codec, crc))
             elif isinstance(ref, dict):
                 try:
                     ident = _identity(ref)
                 except SerializationError:
                     continue
-                out.append((bytes.fromhex(c["h"]), length, ident, ref["offset"], stored, codec, crc))
+                out.append((digest, sample, length, ident, ref["offset"], stored, codec, crc))
     return out
 
 
@@ -1166,7 +1184,7 @@ def _check_entry(i: int, e: Any) -> tuple[str, Any, list[int], int]:
     return kind, dt, shape, nbytes
 
 
-_CHUNK_KEYS = frozenset(("at", "n", "h", "z", "ref", "crc"))
+_CHUNK_KEYS = frozenset(("at", "n", "s", "h", "z", "ref", "crc"))
 
 
 def _plan_chunked(

@@ -237,6 +237,10 @@ def _chunk_options(
         hash_fn=dedup.chunk_hash,
         min_bytes=dedup.MIN_BYTES,
         lookup=index.lookup if index is not None else None,
+        sample_fn=dedup.chunk_sample,
+        # hash only chunks whose sample the parent has; everything when there is nothing to
+        # compare with (no parent, or one written without samples)
+        candidate=index.has_sample if index is not None and index.samples else None,
         codec=policy.codec if policy is not None else None,
         compress=policy.try_compress if policy is not None else None,
         part_size=writer.part_size or writer.store.part_size,

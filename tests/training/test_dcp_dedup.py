@@ -133,3 +133,29 @@ def test_a_forged_item_origin_is_refused_at_commit(monkeypatch: pytest.MonkeyPat
     with pytest.raises(CommitError):
         save_sharded(state(2), store, 2)
     assert Reader(store).steps() == [1]
+
+
+def test_a_changed_item_is_not_hashed_and_a_newly_frozen_one_is_reused_from_the_save_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = MemoryStore()
+    hashed: list[int] = []
+    real = dedup.chunk_hash
+    monkeypatch.setattr(dedup, "chunk_hash", lambda b: hashed.append(memoryview(b).nbytes) or real(b))
+    sd = state(1)
+    save_sharded(sd, store, 1)  # nothing to compare with: every tensor item is hashed
+    assert 4 * MiB in hashed
+    hashed.clear()
+    sd["frozen"]["embed"].add_(1.0)
+
+    def embed() -> dict[str, Any]:
+        return next(i for i in items(store, Reader(store).latest()) if i["index"]["fqn"] == "frozen.embed")
+
+    save_sharded(sd, store, 2)  # its sample differs from the parent's: not hashed, written
+    assert 4 * MiB not in hashed and "from" not in embed() and "hash" not in embed()
+    save_sharded(sd, store, 3)  # unchanged now: hashed, but the parent has no hash to match
+    assert 4 * MiB in hashed and "from" not in embed() and "hash" in embed()
+    save_sharded(sd, store, 4)  # reused from here on
+    assert embed()["from"] == [0, 3]
+    out = zeros(state(9))
+    assert load_sharded(out, store) == 4 and torch.equal(out["frozen"]["embed"], sd["frozen"]["embed"])

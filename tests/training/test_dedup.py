@@ -443,3 +443,70 @@ def test_compression_round_trips_and_keeps_hashes_over_raw_bytes() -> None:
     assert torch.equal(fresh.weight.view(torch.int16), model.weight.view(torch.int16))
     with pytest.raises(ValueError, match="compression"):
         CheckpointManager(MemoryStore(), compression="lz4")
+
+
+def test_usage_reports_logical_and_newly_written_bytes_per_checkpoint() -> None:
+    from objckpt import usage
+
+    assert (usage._FOOTER.format, usage._FOOTER_MAGIC) == (
+        serialization._FOOTER.format,
+        serialization.FOOTER_MAGIC,
+    )
+    store = MemoryStore()
+    state = lora_state()
+    with CheckpointManager(store, keep_last=None) as mgr:
+        first = mgr.save(1, state)
+        train(state)
+        second = mgr.save(2, state)
+    rows = usage.run_usage(store)
+    assert [(r.step, r.exact) for r in rows] == [(1, True), (2, True)]
+    one, two = rows
+    assert one.written_bytes == one.logical_bytes == first.total_size and one.referenced_bytes == 0
+    assert two.written_bytes == second.total_size
+    # a restore of 2 reads its own shards and the base's chunks it references (not the whole object)
+    assert 32 * MiB <= two.referenced_bytes <= first.shard(0, "replicated.bin").size
+    assert two.logical_bytes == two.written_bytes + two.referenced_bytes and two.written_fraction < 0.01
+    rough = usage.checkpoint_usage(store, second, exact=False)
+    assert not rough.exact and rough.referenced_bytes == second.referenced_size
+    assert usage.stored_bytes([first, second]) == first.total_size + second.total_size
+
+
+def _chunks(store: Any, manifest: Any, name: str = "replicated.bin") -> list[dict[str, Any]]:
+    shard = manifest.shard(0, name)
+    got = serialization.read_header(lambda a, b: store.get(shard.key, byte_range=(a, b)), shard.size)
+    assert got is not None
+    return [c for a in got[0]["arrays"] for c in a["chunks"] if "s" in c]
+
+
+def test_a_save_where_everything_changed_hashes_nothing_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = MemoryStore()
+    model = torch.nn.Linear(1024, 2048)  # 8 MiB + 8 KiB: 3 sampled chunks
+    state = {"model": model}
+    hashed: list[int] = []
+    real = dedup.chunk_hash
+    big = {4 * MiB, 8 * 1024}  # the model's chunks (the RNG state in rank.bin is hashed too)
+
+    def counting(b: Any) -> bytes:
+        if memoryview(b).nbytes in big:
+            hashed.append(memoryview(b).nbytes)
+        return real(b)
+
+    monkeypatch.setattr(dedup, "chunk_hash", counting)
+    with CheckpointManager(store, keep_last=None) as mgr:
+        first = mgr.save(1, state)  # no parent: every chunk is hashed, so the next save can reuse
+        assert len(hashed) == 3 and all("h" in c for c in _chunks(store, first))
+        hashed.clear()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        second = mgr.save(2, state)  # every sample differs from the parent's: no full hash
+        assert hashed == [] and not any("h" in c for c in _chunks(store, second))
+        # unchanged from here on: the samples match, so the chunks are hashed; their parent has no
+        # hash to confirm them, so they are written once more, and reused from the next save on
+        third = mgr.save(3, state)
+        assert len(hashed) == 3 and third.references == ()
+        fourth = mgr.save(4, state)
+        assert fourth.total_size < 64 * 1024 and fourth.references
+    fresh = torch.nn.Linear(1024, 2048)
+    assert CheckpointManager(store).restore({"model": fresh}) == 4
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)

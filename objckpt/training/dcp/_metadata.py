@@ -83,8 +83,12 @@ class _ItemLocation:
     #: ``(timeline, step)`` of the ancestor whose shard ``(rank, shard)`` holds the bytes (None:
     #: this checkpoint's own shard): an unchanged item is not written again (deduplication)
     origin: tuple[int, int] | None = None
-    #: content hash of the item's bytes (``dedup.HASH_NAME``), so the next save can reuse them
+    #: content hash of the item's bytes (``dedup.HASH_NAME``), so the next save can reuse them;
+    #: only computed when the item may be unchanged or is new (see ``sample``)
     hash: str | None = None
+    #: ``dedup.chunk_sample`` of its bytes: the next save hashes an item in full only when the
+    #: live item's sample equals this
+    sample: str | None = None
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,8 @@ def encode_metadata(metadata: Metadata, locations: Mapping[MetadataIndex, _ItemL
             items[-1]["from"] = [int(loc.origin[0]), int(loc.origin[1])]
         if loc.hash is not None:
             items[-1]["hash"] = loc.hash
+        if loc.sample is not None:
+            items[-1]["sample"] = loc.sample
     items.sort(key=lambda it: (it["rank"], it["shard"], it["start"]))
     body = {
         "format": _FORMAT_NAME,
@@ -358,12 +364,14 @@ def decode_metadata(raw: bytes) -> tuple[Metadata, dict[MetadataIndex, _ItemLoca
                 origin = _ints(origin, "item origin")
                 if len(origin) != 2:
                     raise TypeError("origin")
-            digest = it.get("hash")
-            if digest is not None and (not isinstance(digest, str) or len(digest) > 128):
-                raise TypeError("hash")
+            digest, sample = it.get("hash"), it.get("sample")
+            for v in (digest, sample):
+                if v is not None and (not isinstance(v, str) or len(v) > 128):
+                    raise TypeError("hash/sample")
             loc = _ItemLocation(
-                rank, it["shard"], start, length, it["crc32c"], kind, dtype, shape, origin=origin, hash=digest
-            )
+                rank, it["shard"], start, length, it["crc32c"], kind, dtype, shape,
+                origin=origin, hash=digest, sample=sample,
+            )  # fmt: skip
         except ManifestError:
             raise
         except (KeyError, TypeError, AttributeError, ValueError) as exc:

@@ -259,7 +259,7 @@ class ObjckptStorageWriter(StorageWriter):
         self._parent = parent
         out = {}
         for index, loc in locations.items():
-            if loc.kind == "tensor" and loc.hash is not None:
+            if loc.kind == "tensor" and (loc.hash is not None or loc.sample is not None):
                 out[index] = dataclasses.replace(loc, origin=loc.origin or parent.ref, receipt=None)
         return out
 
@@ -379,12 +379,17 @@ class ObjckptStorageWriter(StorageWriter):
                     )
                 view = _tensor_bytes(data)
                 cand = self._candidates.get(item.index)
-                if pool is not None and cand is not None and cand.length == view.nbytes:
-                    digest = dedup.chunk_hash(view).hex()
-                    if digest == cand.hash and cand.dtype == _dtype_name(data.dtype):
-                        # unchanged since the parent: located in the parent's object, not sent
-                        out.append((item, dataclasses.replace(cand, receipt=None)))
-                        continue
+                sample = digest = None
+                if pool is not None:
+                    sample = dedup.chunk_sample(view).hex()
+                    # hashed in full only when it may be unchanged (its sample is the parent's)
+                    # or is new (nothing to compare it with): a changed item is never hashed
+                    if cand is not None and cand.length == view.nbytes and cand.sample in (None, sample):
+                        digest = dedup.chunk_hash(view).hex()
+                        if digest == cand.hash and cand.dtype == _dtype_name(data.dtype):
+                            # unchanged since the parent: located in the parent's object, not sent
+                            out.append((item, dataclasses.replace(cand, receipt=None)))
+                            continue
                 loc = _ItemLocation(
                     self.rank,
                     name,
@@ -398,7 +403,10 @@ class ObjckptStorageWriter(StorageWriter):
             crc.update(view)
             out.append((item, dataclasses.replace(loc, crc32c=crc.b64)))
             if pool is not None and loc.kind == "tensor":
-                hashing.append((len(out) - 1, pool.submit(dedup.chunk_hash, view)))
+                loc = dataclasses.replace(loc, crc32c=crc.b64, sample=sample, hash=digest)
+                out[-1] = (item, loc)
+                if digest is None and (cand is None or cand.length != view.nbytes):
+                    hashing.append((len(out) - 1, pool.submit(dedup.chunk_hash, view)))
             offset += view.nbytes
             if view.nbytes:
                 yield view
