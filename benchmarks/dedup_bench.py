@@ -110,9 +110,54 @@ def _flat(tensors: list[Any]) -> memoryview:
     return memoryview(torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors]).numpy())
 
 
-def compression_rows(model: Any, opt: Any, runs: int) -> list[dict[str, Any]]:
+Codec = tuple[Callable[[], list[bytes]], Callable[[list[bytes]], None]]
+
+
+def _bp_codec(pieces: list[memoryview], level: int, name: str) -> Codec:
+    """objckpt's codec (byte planes + zstd) at a zstd ``level``."""
     import torch
     import zstandard
+
+    from objckpt.training import codec
+
+    comp = zstandard.ZstdCompressor(level=level)
+    k = int(name[2])
+
+    def enc() -> list[bytes]:
+        return [
+            comp.compress(torch.frombuffer(p, dtype=torch.uint8).view(-1, k).t().contiguous().numpy())
+            for p in pieces
+        ]
+
+    def dec(blobs: list[bytes]) -> None:
+        for b, p in zip(blobs, pieces, strict=True):
+            codec.decompress(b, name, p.nbytes, memoryview(bytearray(p.nbytes)))
+
+    return enc, dec
+
+
+def _plain_codec(pieces: list[memoryview], level: int) -> Codec:
+    import zstandard
+
+    comp, de = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+
+    def dec(blobs: list[bytes]) -> None:
+        for b in blobs:
+            de.decompress(b)
+
+    return (lambda: [comp.compress(p) for p in pieces]), dec
+
+
+def _zipnn_codec(pieces: list[memoryview], zn: Any) -> Codec:
+    def dec(blobs: list[bytes]) -> None:
+        for b in blobs:
+            zn.decompress(b)
+
+    return (lambda: [zn.compress(bytes(p)) for p in pieces]), dec
+
+
+def compression_rows(model: Any, opt: Any, runs: int) -> list[dict[str, Any]]:
+    import torch
 
     from objckpt.training import codec
 
@@ -132,48 +177,18 @@ def compression_rows(model: Any, opt: Any, runs: int) -> list[dict[str, Any]]:
     chunk = 4 * MiB
     for name, tensors in classes.items():
         view = _flat(tensors)
-        itemsize = tensors[0].element_size()
         dtype = "bfloat16" if tensors[0].dtype == torch.bfloat16 else "float32"
-        ours = codec.codec_for(dtype, itemsize)
+        ours = codec.codec_for(dtype, tensors[0].element_size())
         assert ours is not None
         pieces = [view[i : i + chunk] for i in range(0, view.nbytes, chunk)]
-
-        def bp(level: int, c: str = ours) -> tuple[Callable[[], list[bytes]], Callable[[list[bytes]], None]]:
-            comp = zstandard.ZstdCompressor(level=level)
-            k = int(c[2])
-
-            def enc() -> list[bytes]:
-                out = []
-                for p in pieces:
-                    planes = torch.frombuffer(p, dtype=torch.uint8).view(-1, k).t().contiguous().numpy()
-                    out.append(comp.compress(planes))
-                return out
-
-            def dec(blobs: list[bytes]) -> None:
-                for b, p in zip(blobs, pieces, strict=True):
-                    buf = memoryview(bytearray(p.nbytes))
-                    codec.decompress(b, c, p.nbytes, buf)
-
-            return enc, dec
-
-        def plain(level: int) -> tuple[Callable[[], list[bytes]], Callable[[list[bytes]], None]]:
-            comp, de = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
-            return (lambda: [comp.compress(p) for p in pieces]), (
-                lambda blobs: [de.decompress(b) for b in blobs] and None
-            )
-
-        candidates: dict[str, Any] = {
-            f"byte planes + zstd-1 (objckpt `{ours}`)": bp(1),
-            "byte planes + zstd-3": bp(3),
-            "zstd-1 (no split)": plain(1),
+        candidates: dict[str, Codec] = {
+            f"byte planes + zstd-1 (objckpt `{ours}`)": _bp_codec(pieces, 1, ours),
+            "byte planes + zstd-3": _bp_codec(pieces, 3, ours),
+            "zstd-1 (no split)": _plain_codec(pieces, 1),
         }
         if zipnn is not None:
-            zdtype = "bfloat16" if dtype == "bfloat16" else "float32"
-            zn = zipnn.ZipNN(input_format="byte", bytearray_dtype=zdtype, threads=1)
-            candidates["zipnn 0.5 (1 thread)"] = (
-                lambda zn=zn: [zn.compress(bytes(p)) for p in pieces],
-                lambda blobs, zn=zn: [zn.decompress(b) for b in blobs] and None,
-            )
+            zn = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
+            candidates["zipnn 0.5 (1 thread)"] = _zipnn_codec(pieces, zn)
         for label, (enc, dec) in candidates.items():
             ct, dt, size = Series(), Series(), 0
             for _ in range(runs):
@@ -421,6 +436,7 @@ def full_change_leg(kind: str, mib: int, runs: int) -> dict[str, Any]:
     model = make_model(mib * MiB, 16)
     state = {"model": model}
     times: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
     written: dict[str, list[int]] = {"on": [], "off": []}
     with _roots(kind) as root:
         mgrs = {
@@ -436,15 +452,17 @@ def full_change_leg(kind: str, mib: int, runs: int) -> dict[str, Any]:
                         p.add_(torch.randn_like(p))  # every byte changes
                 order = ("on", "off") if i % 2 == 0 else ("off", "on")
                 for mode in order:
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     m = mgrs[mode].save(i + 2, state)
                     times[mode].append(time.perf_counter() - t)
+                    cpu[mode].append(time.process_time() - c)
                     written[mode].append(m.total_size)
         finally:
             for m in mgrs.values():
                 m.close()
     on, off = Series(times["on"]), Series(times["off"])
     ratios = Series([a / b for a, b in zip(times["on"], times["off"], strict=True)])
+    cpu_ratios = Series([a / b for a, b in zip(cpu["on"], cpu["off"], strict=True)])
     return {
         "backend": kind,
         "state_MiB": mib,
@@ -456,6 +474,10 @@ def full_change_leg(kind: str, mib: int, runs: int) -> dict[str, Any]:
         "slowdown_median": round(on.median / off.median - 1, 4),
         "paired_ratio": ratios.fmt(3),
         "paired_ratio_median": ratios.median,
+        "cpu_on_s": Series(cpu["on"]).fmt(3),
+        "cpu_off_s": Series(cpu["off"]).fmt(3),
+        "cpu_ratio": cpu_ratios.fmt(3),
+        "cpu_ratio_median": cpu_ratios.median,
         "bytes_on_over_off": round(statistics.median(written["on"]) / statistics.median(written["off"]), 5),
     }
 
@@ -524,7 +546,7 @@ def write_md(res: dict[str, Any]) -> str:
                     "on_s",
                     "off_s",
                     "paired_ratio",
-                    "slowdown_median",
+                    "cpu_ratio",
                     "bytes_on_over_off",
                 ],
             ),

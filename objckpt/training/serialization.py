@@ -530,26 +530,43 @@ class ChunkedState:
                     v = views[ai] = _bytes_view(self.arrays[ai])
                 return v
 
-        def work(ai: int, start: int, length: int) -> tuple[bytes | None, bytes | None, Any, str | None, Any]:
+        def light(ai: int, start: int, length: int) -> Any:
+            """The main thread's part of a chunk's decision: its sample, and whether it needs the
+            pool (a full hash, compression) at all; a changed chunk needs neither."""
             arr = self.arrays[ai]
             if arr.nbytes < opts.min_bytes:
-                return None, None, None, None, None  # small: always local, unhashed
+                return _Ready((None, None, None, None, None))  # small: always local, unhashed
             chunk = view_of(ai)[start : start + length]
             sample = opts.sample_fn(chunk) if opts.sample_fn is not None else None
+            full = opts.candidate is None or (sample is not None and opts.candidate(sample, length))
+            codec = None
+            if opts.codec is not None and opts.compress is not None:
+                itemsize = arr.nbytes // max(1, math.prod(arr.shape))
+                codec = opts.codec(arr.dtype, itemsize, length)
+            if not full and codec is None:
+                return _Ready((None, sample, None, None, None))
+            return pool().submit(heavy, chunk, sample, full, codec)
+
+        def heavy(chunk: memoryview, sample: bytes | None, full: bool, codec: str | None) -> Any:
             digest = target = None
-            if opts.candidate is None or (sample is not None and opts.candidate(sample, length)):
+            if full:
                 digest = opts.hash_fn(chunk)
-                target = opts.lookup(digest, length) if opts.lookup is not None else None
+                target = opts.lookup(digest, chunk.nbytes) if opts.lookup is not None else None
             if target is not None:
                 return digest, sample, target, target.crc or crc32c_b64(chunk), None
             packed = None
-            if opts.codec is not None and opts.compress is not None:
-                codec = opts.codec(arr.dtype, arr.nbytes // max(1, math.prod(arr.shape) or 1), length)
-                if codec is not None:
-                    out = opts.compress(chunk, codec)
-                    if out is not None:
-                        packed = (codec, out)
+            if codec is not None:
+                out = opts.compress(chunk, codec)  # type: ignore[misc]
+                if out is not None:
+                    packed = (codec, out)
             return digest, sample, None, None, packed
+
+        executor: list[ThreadPoolExecutor] = []
+
+        def pool() -> ThreadPoolExecutor:
+            if not executor:
+                executor.append(ThreadPoolExecutor(max(1, opts.workers), thread_name_prefix="objckpt-hash"))
+            return executor[0]
 
         # run: contiguous local raw bytes of one array not yet yielded: [array, start, length)
         run: list[Any] = [None, 0, 0]
@@ -570,8 +587,7 @@ class ChunkedState:
             if not length:
                 run[0] = None
 
-        pool = ThreadPoolExecutor(max(1, opts.workers), thread_name_prefix="objckpt-hash")
-        futures: list[Future[Any]] = []
+        futures: list[Any] = []
         try:
             submitted = 0
             last = -1
@@ -583,7 +599,7 @@ class ChunkedState:
                     last = ai
                 while submitted < len(pieces) and submitted <= i + opts.lookahead:
                     a, _, st, ln = pieces[submitted]
-                    futures.append(pool.submit(work, a, st, ln))
+                    futures.append(light(a, st, ln))
                     submitted += 1
                 digest, sample, target, crc, packed = futures[i].result()
                 futures[i] = None  # type: ignore[call-overload]  # free a compressed chunk early
@@ -628,7 +644,8 @@ class ChunkedState:
             for f in futures:
                 if f is not None:
                     f.cancel()
-            pool.shutdown(wait=True)
+            for ex in executor:
+                ex.shutdown(wait=True)
             views.clear()
         data_size = pos - len(head)
         header = {
@@ -645,6 +662,21 @@ class ChunkedState:
         yield memoryview(raw + footer)
         self.header = header
         self.size = pos + len(raw) + len(footer)
+
+
+class _Ready:
+    """A decision made without the pool (what a future would hold)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+    def cancel(self) -> bool:
+        return False
 
 
 def encode_chunked(
@@ -1212,7 +1244,7 @@ def _plan_chunked(
             raise _fail(f"array {i}: {nbytes} bytes need {-(-nbytes // cs)} chunks of {cs}")
         for k, c in enumerate(chunks):
             length = min(cs, nbytes - k * cs)
-            if not isinstance(c, dict) or not set(c) <= _CHUNK_KEYS:
+            if not isinstance(c, dict) or not set(c) <= _CHUNK_KEYS or ("ref" in c) == ("at" in c):
                 raise _fail(f"array {i} chunk {k}: malformed {str(c)[:120]!r}")
             stored, codec = c.get("n"), c.get("z")
             if codec is not None and codec not in CODECS:
