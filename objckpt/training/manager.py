@@ -212,7 +212,8 @@ class CheckpointManager:
             metrics.watch_store(self.store)
         #: (step, reason) of every checkpoint a restore rejected and fell back from
         self.fallbacks: list[tuple[int, str]] = []
-        #: bytes written by this rank and seconds taken by the last save
+        #: bytes written by this rank (and reused from the parent instead) and seconds taken by
+        #: the last save
         self.last_save: dict[str, Any] = {}
         #: what the last restore loaded on this rank (missing/unexpected keys, elastic mapping)
         self.last_restore: RestoreReport | None = None
@@ -268,7 +269,12 @@ class CheckpointManager:
             log.error("rank %d failed to write its shards for step %d: %s", self.rank, step, exc)
             ticket.fail(exc)
         manifest = self._finish(ticket, cap, {}, metadata)
-        self.last_save = {"step": step, "bytes": cap.bytes_written, "seconds": time.monotonic() - started}
+        self.last_save = {
+            "step": step,
+            "bytes": cap.bytes_written,
+            "reused_bytes": cap.reused_bytes,
+            "seconds": time.monotonic() - started,
+        }
         return manifest
 
     def save_async(
@@ -355,6 +361,7 @@ class CheckpointManager:
             self.last_save = {
                 "step": step,
                 "bytes": c.bytes_written,
+                "reused_bytes": c.reused_bytes,
                 "seconds": time.monotonic() - started,
                 "blocking_seconds": handle.blocking_seconds,
             }

@@ -227,6 +227,10 @@ def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = N
     return writer.receipts
 
 
+def _never(sample: bytes, length: int) -> bool:
+    return False  # compression without deduplication: no chunk needs its full hash
+
+
 def _chunk_options(
     writer: ShardWriter, cap: Capture, index: dedup.ChunkIndex | None
 ) -> serialization.ChunkOptions:
@@ -240,7 +244,9 @@ def _chunk_options(
         sample_fn=dedup.chunk_sample,
         # hash only chunks whose sample the parent has; everything when there is nothing to
         # compare with (no parent, or one written without samples)
-        candidate=index.has_sample if index is not None and index.samples else None,
+        candidate=(index.has_sample if index is not None and index.samples else None)
+        if cap.dedup
+        else _never,
         codec=policy.codec if policy is not None else None,
         compress=policy.try_compress if policy is not None else None,
         part_size=writer.part_size or writer.store.part_size,

@@ -510,3 +510,11 @@ def test_a_save_where_everything_changed_hashes_nothing_in_full(monkeypatch: pyt
     fresh = torch.nn.Linear(1024, 2048)
     assert CheckpointManager(store).restore({"model": fresh}) == 4
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+def test_the_usage_functions_are_torch_free() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, objckpt.usage, objckpt.replicate; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
