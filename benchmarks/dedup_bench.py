@@ -251,8 +251,10 @@ def hash_rows(runs: int) -> list[dict[str, Any]]:
 
 
 def chunk_rows(tensor_mib: int = 64) -> list[dict[str, Any]]:
-    """A tensor of ``tensor_mib`` MiB (an embedding table) where 1% of its rows change between
-    saves, at several chunk sizes: bytes written by the second save and its header size."""
+    """An embedding table of ``tensor_mib`` MiB where part of its rows change between saves, at
+    several chunk sizes: bytes written by the second save, its header, its save time. Two
+    patterns: a contiguous block of 5% of the rows (new or fine-tuned tokens), and 0.1% of the
+    rows at random (sparse updates: no chunk size helps much there)."""
     import torch
 
     from objckpt.store.memory import MemoryStore
@@ -261,35 +263,40 @@ def chunk_rows(tensor_mib: int = 64) -> list[dict[str, Any]]:
 
     rows = []
     saved = dedup.CHUNK_SIZE
+    width = 1024
+    n = tensor_mib * MiB // 4 // width
+    patterns = {
+        "contiguous 5% of rows": torch.arange(n // 2, n // 2 + n // 20),
+        "random 0.1% of rows": torch.randperm(n, generator=torch.Generator().manual_seed(1))[: n // 1000],
+    }
     try:
-        for cs in (1 * MiB, 4 * MiB, 16 * MiB):
-            dedup.CHUNK_SIZE = cs
-            torch.manual_seed(0)
-            width = 1024
-            table = torch.nn.Embedding(tensor_mib * MiB // 4 // width, width)
-            state = {"model": table}
-            store = MemoryStore()
-            with CheckpointManager(store, keep_last=None) as mgr:
-                mgr.save(1, state)
-                n = table.weight.shape[0]
-                rows_changed = torch.randperm(n, generator=torch.Generator().manual_seed(1))[: n // 100]
-                with torch.no_grad():
-                    table.weight[rows_changed] += 1.0
-                t = time.perf_counter()
-                second = mgr.save(2, state)
-                seconds = time.perf_counter() - t
-            shard = second.shard(0, "replicated.bin")
-            blob = store.get(shard.key)
-            header_len = int.from_bytes(blob[-24:-16], "little")
-            rows.append(
-                {
-                    "chunk_MiB": cs // MiB,
-                    "written_MiB": round(second.total_size / MiB, 2),
-                    "written_fraction": round(second.total_size / (tensor_mib * MiB), 4),
-                    "header_KiB": round(header_len / 1024, 1),
-                    "save_s": round(seconds, 3),
-                }
-            )
+        for pattern, changed in patterns.items():
+            for cs in (1 * MiB, 4 * MiB, 16 * MiB):
+                dedup.CHUNK_SIZE = cs
+                torch.manual_seed(0)
+                table = torch.nn.Embedding(n, width)
+                state = {"model": table}
+                store = MemoryStore()
+                with CheckpointManager(store, keep_last=None) as mgr:
+                    mgr.save(1, state)
+                    with torch.no_grad():
+                        table.weight[changed] += 1.0
+                    t = time.perf_counter()
+                    second = mgr.save(2, state)
+                    seconds = time.perf_counter() - t
+                blob = store.get(second.shard(0, "replicated.bin").key)
+                header_len = int.from_bytes(blob[-24:-16], "little")
+                rows.append(
+                    {
+                        "pattern": pattern,
+                        "chunk_MiB": cs // MiB,
+                        "changed_fraction": round(len(changed) / n, 4),
+                        "written_MiB": round(second.total_size / MiB, 2),
+                        "written_fraction": round(second.total_size / (tensor_mib * MiB), 4),
+                        "header_KiB": round(header_len / 1024, 1),
+                        "save_s": round(seconds, 3),
+                    }
+                )
     finally:
         dedup.CHUNK_SIZE = saved
     return rows
@@ -302,8 +309,9 @@ def state_size(manifest: Any) -> int:
     return manifest.total_size + manifest.referenced_size
 
 
-def lora_leg(base_mib: int, saves: int, steps_between: int) -> dict[str, Any]:
-    """A frozen base (a stack of Linear layers) with rank-8 LoRA adapters trained by AdamW."""
+def lora_leg(blocks: int, saves: int, steps_between: int, d: int = 1024, r: int = 8) -> dict[str, Any]:
+    """A frozen base of transformer-sized blocks (q, k, v, o: d x d; MLP: d x 4d and 4d x d) with
+    rank-``r`` LoRA adapters on q and v (as the LoRA paper), trained by AdamW between saves."""
     import torch
 
     from objckpt.store.memory import MemoryStore
@@ -312,27 +320,49 @@ def lora_leg(base_mib: int, saves: int, steps_between: int) -> dict[str, Any]:
     from objckpt.usage import run_usage
 
     torch.manual_seed(0)
-    d = 1024
-    layers = max(1, base_mib * MiB // (d * d * 4))
-    base = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
+
+    def block() -> Any:
+        return torch.nn.ModuleDict(
+            {
+                "q": torch.nn.Linear(d, d),
+                "k": torch.nn.Linear(d, d),
+                "v": torch.nn.Linear(d, d),
+                "o": torch.nn.Linear(d, d),
+                "up": torch.nn.Linear(d, 4 * d),
+                "down": torch.nn.Linear(4 * d, d),
+            }
+        )
+
+    base = torch.nn.ModuleList(block() for _ in range(blocks))
     for p in base.parameters():
         p.requires_grad_(False)
-    lora_a = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(d, 8) * 0.01) for _ in range(layers))
-    lora_b = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(8, d)) for _ in range(layers))
-    opt = torch.optim.AdamW([*lora_a, *lora_b], lr=1e-3)
-    state = {"base": base, "lora_a": lora_a, "lora_b": lora_b, "optimizer": opt}
+    lora = torch.nn.ParameterDict()
+    for i in range(blocks):
+        for m in ("q", "v"):
+            lora[f"{i}_{m}_a"] = torch.nn.Parameter(torch.randn(d, r) * 0.01)
+            lora[f"{i}_{m}_b"] = torch.nn.Parameter(torch.zeros(r, d))
+    opt = torch.optim.AdamW(lora.parameters(), lr=1e-3)
+    state = {"base": base, "lora": lora, "optimizer": opt}
+    trainable = sum(p.numel() for p in lora.parameters()) * 4 * 3  # params + two Adam moments
 
     def step() -> None:
-        x = torch.randn(16, d)
-        for lin, a, b in zip(base, lora_a, lora_b, strict=True):
-            x = torch.tanh(lin(x) + x @ a @ b)
+        x = torch.randn(8, d)
+        for i, blk in enumerate(base):
+            q = blk["q"](x) + x @ lora[f"{i}_q_a"] @ lora[f"{i}_q_b"]
+            v = blk["v"](x) + x @ lora[f"{i}_v_a"] @ lora[f"{i}_v_b"]
+            x = torch.tanh(blk["o"](torch.tanh(q) * v))
         x.pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
 
     store = MemoryStore()
     counted = CountingStore(store, close_inner=False)
-    out: dict[str, Any] = {"base_MiB": round(layers * (d * d + d) * 4 / MiB, 1), "saves": saves}
+    out: dict[str, Any] = {
+        "base_MiB": round(sum(p.numel() for p in base.parameters()) * 4 / MiB, 1),
+        "blocks": blocks,
+        "rank": r,
+        "saves": saves,
+    }
     with CheckpointManager(counted, keep_last=None) as mgr:
         manifests = []
         for s in range(1, saves + 1):
@@ -347,6 +377,7 @@ def lora_leg(base_mib: int, saves: int, steps_between: int) -> dict[str, Any]:
     out.update(
         {
             "full_state_bytes": full,
+            "changed_fraction": round(trainable / full, 5),
             "first_save_bytes": manifests[0].total_size,
             "later_save_bytes_median": int(statistics.median(later)),
             "later_fraction_median": round(statistics.median(later) / full, 5),
@@ -354,7 +385,6 @@ def lora_leg(base_mib: int, saves: int, steps_between: int) -> dict[str, Any]:
             "usage": [r.__dict__ for r in run_usage(store)][:3],
         }
     )
-    # restore of the newest: bit-exact, and what it reads
     fresh = {k: v for k, v in state.items()}
     with CheckpointManager(store, keep_last=None) as mgr:
         t = time.perf_counter()
@@ -482,6 +512,67 @@ def full_change_leg(kind: str, mib: int, runs: int) -> dict[str, Any]:
     }
 
 
+def stream_cost_leg(mib: int, runs: int) -> dict[str, Any]:
+    """What dedup adds to producing a shard, without I/O: the CPU time of encoding a fully
+    changed state of ``mib`` MiB and streaming it through the writer's part splitting and CRC32C,
+    format 3 with the parent's index in place vs format 1, interleaved."""
+    import torch
+
+    from benchmarks.common import make_model
+    from objckpt._crc import crc32c_of
+    from objckpt.store.base import iter_parts
+    from objckpt.store.memory import MemoryStore
+    from objckpt.training import dedup, serialization, shards
+    from objckpt.training.manager import CheckpointManager
+
+    model = make_model(mib * MiB, 16)
+    state = {"model": model}
+    store = MemoryStore()
+    with CheckpointManager(store, keep_last=1) as mgr:
+        mgr.save(1, state)  # the parent, in format 3, its headers kept in-process
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    cap = shards.capture(2, state, rank=0, world_size=1, replicated_names=None)
+    cap.dedup = True
+    parent = dedup.parent_for(store, 2)
+    assert parent is not None
+    index = dedup.build_index(store, parent, rank=0, names=("replicated.bin",), layout=shards.STATE_LAYOUT)
+
+    class _W:
+        part_size = None
+
+    _W.store = store  # type: ignore[attr-defined]
+    opts = shards._chunk_options(_W, cap, index)  # type: ignore[arg-type]
+
+    def once(v3: bool) -> float:
+        c = time.process_time()
+        enc: Any = (
+            serialization.encode_chunked(cap.replicated_tree, opts)
+            if v3
+            else serialization.encode(cap.replicated_tree)
+        )
+        for part in iter_parts(enc.buffers(), 16 * MiB):
+            crc32c_of(part)
+        return time.process_time() - c
+
+    cpu: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(runs):
+        for v3 in (True, False) if i % 2 else (False, True):
+            cpu[v3].append(once(v3))
+    on, off = Series(cpu[True]), Series(cpu[False])
+    return {
+        "state_MiB": mib,
+        "runs": runs,
+        "format3_cpu_ms": round(on.median * 1000, 1),
+        "format1_cpu_ms": round(off.median * 1000, 1),
+        "format3_min_ms": round(on.lo * 1000, 1),
+        "format1_min_ms": round(off.lo * 1000, 1),
+        "extra_ms_median": round((on.median - off.median) * 1000, 1),
+        "extra_ms_min": round((on.lo - off.lo) * 1000, 1),
+    }
+
+
 # ------------------------------------------------------------------------------ report
 
 
@@ -507,7 +598,9 @@ def write_md(res: dict[str, Any]) -> str:
         lines += [
             "### LoRA-style frozen base + small adapter",
             "",
-            f"Frozen base {lo['base_MiB']} MiB, rank-8 adapters trained with AdamW between {lo['saves']} saves. "
+            f"Frozen base {lo['base_MiB']} MiB ({lo.get('blocks')} transformer-sized blocks, d=1024), rank-"
+            f"{lo.get('rank')} LoRA on q and v trained with AdamW between {lo['saves']} saves (adapters and their "
+            f"moments: {lo.get('changed_fraction', 0):.2%} of the state). "
             f"Full state {lo['full_state_bytes'] / MiB:.1f} MiB; first save wrote {lo['first_save_bytes'] / MiB:.1f} MiB; "
             f"every later save wrote {lo['later_save_bytes_median'] / 1024:.0f} KiB (median) = "
             f"**{lo['later_fraction_median']:.3%}** of the full state (max {lo['later_fraction_max']:.3%}). "
@@ -558,6 +651,16 @@ def write_md(res: dict[str, Any]) -> str:
             f"**{'met' if worst <= 0.03 else 'MISSED'}**.",
             "",
         ]
+    if "stream" in res:
+        st = res["stream"]
+        lines += [
+            f"Deterministic part of that cost, without I/O ({st['state_MiB']} MiB fully changed, encode + "
+            f"part split + CRC32C as the writer does, {st['runs']} interleaved runs, CPU time): format 3 with "
+            f"the parent's index {st['format3_cpu_ms']} ms (min {st['format3_min_ms']}), format 1 "
+            f"{st['format1_cpu_ms']} ms (min {st['format1_min_ms']}): {st['extra_ms_median']:+} ms median, "
+            f"{st['extra_ms_min']:+} ms between the minima.",
+            "",
+        ]
     if "hash" in res:
         lines += [
             "### Chunk hash (4 MiB chunks, one thread)",
@@ -567,9 +670,20 @@ def write_md(res: dict[str, Any]) -> str:
         ]
     if "chunk" in res:
         lines += [
-            "### Chunk size (64 MiB embedding table, 1% of its rows changed between saves)",
+            "### Chunk size (a 64 MiB embedding table, part of its rows changed between saves)",
             "",
-            _table(res["chunk"], ["chunk_MiB", "written_MiB", "written_fraction", "header_KiB", "save_s"]),
+            _table(
+                res["chunk"],
+                [
+                    "pattern",
+                    "chunk_MiB",
+                    "changed_fraction",
+                    "written_MiB",
+                    "written_fraction",
+                    "header_KiB",
+                    "save_s",
+                ],
+            ),
             "",
         ]
     if "compress" in res:
@@ -593,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--runs", type=int, default=None)
-    p.add_argument("--legs", default="train,compress,hash,chunk,lora,embed,full")
+    p.add_argument("--legs", default="train,compress,hash,chunk,lora,embed,stream,full")
     p.add_argument("--skip", default="", help="comma list: moto, file")
     p.add_argument("--full-mib", type=int, default=None)
     args = p.parse_args(argv)
@@ -631,11 +745,14 @@ def main(argv: list[str] | None = None) -> int:
         res["chunk"] = chunk_rows(32 if args.quick else 64)
         print(res["chunk"], flush=True)
     if "lora" in legs:
-        res["lora"] = lora_leg(32 if args.quick else 128, saves=3 if args.quick else 6, steps_between=5)
+        res["lora"] = lora_leg(1 if args.quick else 3, saves=3 if args.quick else 6, steps_between=5)
         print(res["lora"], flush=True)
     if "embed" in legs:
         res["embed"] = embed_leg(saves=3 if args.quick else 5, steps_between=5)
         print(res["embed"], flush=True)
+    if "stream" in legs:
+        res["stream"] = stream_cost_leg(64 if args.quick else 256, 2 * runs + 1)
+        print(res["stream"], flush=True)
     if "full" in legs:
         res["full"] = []
         for kind in ("file", "moto"):

@@ -17,6 +17,15 @@ only its own shards' headers then (tensors that moved to another rank are writte
 Each rank reports in ``ticket.references`` the :class:`~objckpt.manifest.Reference` of every
 ancestor object its shards read from (built from the parent manifest's own receipts or its
 references, :meth:`ChunkIndex.references_used`); the coordinator verifies them.
+
+What a save costs (measured in ``benchmarks/DEDUP.md``): every chunk gets a 64-bit *sample*
+(:func:`chunk_sample`, 65 words spread over it: microseconds); the full 128-bit hash is computed
+only for a chunk whose sample equals one of the parent's (it may be unchanged) or when there is
+no parent to compare with (the first save). A save where everything changed therefore hashes
+nothing; a chunk that stops changing is written once more (its parent has no full hash to
+confirm it by) and reused from the save after. The CRC32C of a chunk is recorded where it is
+needed, on references (the restore checks the referenced range against it), computed from the
+live bytes (equal to the origin's, by the hash); a local chunk is covered by its object's CRC32C.
 """
 
 from __future__ import annotations

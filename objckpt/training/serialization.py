@@ -827,6 +827,9 @@ class Resolver:
         self.bytes_read = 0
         self.requests = 0
         self._lock = threading.Lock()
+        #: ranges held at once, across every shard a restore decodes in parallel with this
+        #: resolver: peak memory of the referenced reads is ``workers x max_range``
+        self.slots = threading.BoundedSemaphore(max(1, workers))
 
     def _count(self, nbytes: int) -> None:
         with self._lock:
@@ -1394,6 +1397,10 @@ def _resolve_remote(remote: list[_Remote], dests: list[memoryview], resolver: Re
             ranges.append((cur[0], cur[1], cur[2], cur[3]))
 
     def fetch(job: tuple[Identity, int, int, list[_Remote]]) -> None:
+        with resolver.slots:
+            place(job)
+
+    def place(job: tuple[Identity, int, int, list[_Remote]]) -> None:
         ident, start, end, members = job
         data = memoryview(resolver.read(ident, start, end))
         if data.nbytes != end - start:
