@@ -22,7 +22,7 @@ Legs:
 
 Bytes are exact counts; times are medians of interleaved runs in one process (drift on a shared
 machine hits both sides alike). Writes ``benchmarks/DEDUP.md`` (a section for BENCHMARKS.md) and
-``benchmarks/dedup.json``.
+``build/dedup.json`` (the raw results).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from benchmarks.common import REPO, Series, machine_info  # noqa: E402
 
 MiB = 1024 * 1024
 OUT_MD = REPO / "benchmarks" / "DEDUP.md"
-OUT_JSON = REPO / "benchmarks" / "dedup.json"
+OUT_JSON = REPO / "build" / "dedup.json"  # the raw results (not committed); legs not re-run keep theirs
 
 
 # ------------------------------------------------------------------------------ the model
