@@ -141,9 +141,9 @@ def _referenced_ranges(store: Store, manifest: Manifest) -> int | None:
 
 def _dcp_referenced(store: Store, manifest: Manifest, info: dict[str, Any]) -> int | None:
     ms = info.get("metadata_shard")
-    if not isinstance(ms, dict):
+    if not isinstance(ms, dict) or not isinstance(ms.get("rank"), int) or not isinstance(ms.get("name"), str):
         return None
-    receipt = manifest.shard(ms.get("rank"), ms.get("name"))
+    receipt = manifest.shard(ms["rank"], ms["name"])
     body = json.loads(Reader(store).read_shard(receipt))
     return sum(int(it.get("length", 0)) for it in body.get("items", []) if it.get("from") is not None)
 

@@ -38,7 +38,7 @@ __all__ = [
 try:  # optional: the ``compression=`` option needs it
     import zstandard as _zstd
 except ImportError:  # pragma: no cover - exercised where zstandard is not installed
-    _zstd = None
+    _zstd = None  # type: ignore[assignment]
 
 #: names a header may carry (an allow-list; anything else is damage)
 CODECS = ("zstd", "bp2+zstd", "bp4+zstd", "bp8+zstd")
@@ -100,7 +100,7 @@ def compress(view: memoryview, codec: str) -> bytes:
     return bytes(_compressor().compress(data))
 
 
-def decompress(stored: memoryview | bytes, codec: str, length: int, out: memoryview) -> None:
+def decompress(stored: memoryview | bytes | bytearray, codec: str, length: int, out: memoryview) -> None:
     """Decode ``stored`` into ``out`` (exactly ``length`` bytes).
 
     Raises:

@@ -147,7 +147,7 @@ class _Cache:
     def slot(self, store: Store) -> OrderedDict[tuple[int, str], dict[tuple[int, str], list[_Entry]]]:
         inner = store
         while getattr(inner, "inner", None) is not None:
-            inner = inner.inner  # wrappers name the run root of the store they wrap
+            inner = inner.inner  # type: ignore[attr-defined]  # wrappers name their store's run root
         location = str(inner.location)
         if location.startswith("memory://"):  # memory stores share names: keyed by the object
             return self.by_object.setdefault(inner, OrderedDict())
@@ -261,8 +261,13 @@ def build_index(
             receipt = parent.shard(*rank_name)
         except KeyError:
             continue
+        key = receipt.key
+
+        def read_range(start: int, end: int, key: str = key) -> bytes:
+            return store.get(key, byte_range=(start, end))
+
         try:
-            got = read_header(lambda a, b, k=receipt.key: store.get(k, byte_range=(a, b)), receipt.size)
+            got = read_header(read_range, receipt.size)
             index.requests += 1
         except Exception as exc:  # noqa: BLE001 - an index is an optimisation; the save goes on
             log.warning(
@@ -275,9 +280,9 @@ def build_index(
         if got is not None:
             kept[rank_name] = index_entries(got[0]) if got[0].get("hash") == HASH_NAME else []
             remember(store, parent.step, parent.attempt, rank_name[0], rank_name[1], got[0])
-    for (r, name), entries in kept.items():
-        if r >= 0:  # negative ranks hold other kinds of tables (remember_value)
-            index.add((*parent.ref, r, name), entries)
+    for (shard_rank, name), entries in kept.items():
+        if shard_rank >= 0:  # negative ranks hold other kinds of tables (remember_value)
+            index.add((*parent.ref, shard_rank, name), entries)
     return index
 
 

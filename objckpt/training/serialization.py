@@ -510,6 +510,7 @@ class ChunkedState:
         yield memoryview(head)
         pos = len(head)
         self.used, self.local_bytes, self.reused_bytes = set(), 0, 0
+        self.compressed_from = self.compressed_to = 0
         entries: list[dict[str, Any]] = []
         # every piece in stream order: (array index, chunk index, start, length)
         pieces: list[tuple[int, int, int, int]] = []
@@ -602,7 +603,7 @@ class ChunkedState:
                     futures.append(light(a, st, ln))
                     submitted += 1
                 digest, sample, target, crc, packed = futures[i].result()
-                futures[i] = None  # type: ignore[call-overload]  # free a compressed chunk early
+                futures[i] = None  # free a compressed chunk early
                 chunk: dict[str, Any]
                 if target is not None:
                     yield from flush(False)
@@ -1273,12 +1274,12 @@ def _plan_chunked(
                     raise _fail(
                         f"array {i} chunk {k}: bytes [{off}, {off + stored}) lie beyond {ident} ({size} bytes)"
                     )
-                remote.append(_Remote(ident, off, stored, i, k * cs, length, codec, crc))
+                remote.append(_Remote(ident, int(off), int(stored), i, k * int(cs), length, codec, crc))
             else:
                 at = c.get("at")
                 if not _is_int(at) or at < data_start or at + stored > data_end:
                     raise _fail(f"array {i} chunk {k}: bytes at {at!r} (+{stored}) lie outside the data")
-                local.append(_Local(at, stored, i, k * cs, length, codec))
+                local.append(_Local(int(at), int(stored), i, k * int(cs), length, codec))
         specs.append((kind, dt, shape))
     local.sort(key=lambda c: c.at)
     for a, b in zip(local, local[1:], strict=False):
