@@ -21,6 +21,6 @@ def test_each_rank_reuses_its_share_and_every_rank_restores_bit_exact(tmp_path: 
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for rep in reports:
         assert rep["restored"] == 2 and rep["same"]
-        assert rep["second"] <= rep["first"] // 100
+        assert rep["second"] <= rep["first"] // 50  # the adapter, its moments and two rank.bin
         # the base is split across the ranks: both ranks' replicated shards are referenced
         assert rep["references"] == [[0, "replicated.bin"], [1, "replicated.bin"]]
