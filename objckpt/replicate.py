@@ -15,9 +15,22 @@ job uses*, so the copy is as trustworthy as the original:
    destination store, writes the manifest create-if-absent (THE commit point) and moves the
    destination's pointer forward by compare-and-swap.
 
+References (deduplicated checkpoints): a checkpoint that reuses objects of its ancestors names
+them by identity (origin checkpoint, rank, shard name), never by key, so its shards are copied
+as they are and only the manifest's references are rewritten to the destination's keys. Each
+referenced object is copied once, as a shard of the ancestor that committed it: copying a run
+root (:func:`replicate_all`, oldest first) transfers the unique bytes only and the destination
+shares them exactly as the source does. A single step that references ancestors needs those
+ancestors at the destination first (the destination's parent must hold or reference every
+object it reuses, as at the source; otherwise :class:`NoCheckpointError` says so and nothing is
+copied). Not supported (refused the same way): an ancestor whose manifest the source has
+already collected (its object lives on, referenced), and references into a timeline other than
+0 (the destination commits every copy on timeline 0).
+
 Idempotence: if the destination already has a manifest for that step holding the same content
-(same world size and, per rank, the same shard names, sizes and CRC32Cs) nothing is written and
-that manifest is returned; a different checkpoint at that step is a :class:`CommitConflict`.
+(same world size and, per rank, the same shard names, sizes and CRC32Cs, and the same
+references) nothing is written and that manifest is returned; a different checkpoint at that
+step is a :class:`CommitConflict`.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ from typing import Any
 from . import layout
 from .commit import Coordinator
 from .errors import ChecksumMismatchError, CommitConflict, NoCheckpointError, NotFoundError
-from .manifest import Manifest, ShardReceipt
+from .manifest import Manifest, Reference, ShardReceipt
 from .reader import Reader
 from .store.base import Store
 from .writer import ShardWriter
@@ -48,8 +61,12 @@ class ReplicationResult:
     copied: bool  # False: the destination already had it (idempotent no-op)
 
 
-def _content(m: Manifest) -> tuple[int, tuple[tuple[int, str, int, str], ...]]:
-    return m.world_size, tuple(sorted((s.rank, s.name, s.size, s.crc32c) for s in m.shards))
+def _content(m: Manifest) -> tuple[Any, ...]:
+    return (
+        m.world_size,
+        tuple(sorted((s.rank, s.name, s.size, s.crc32c) for s in m.shards)),
+        tuple(sorted((r.identity, r.size, r.crc32c) for r in m.references)),
+    )
 
 
 def same_checkpoint(a: Manifest, b: Manifest) -> bool:
@@ -122,6 +139,7 @@ def replicate(
     if existing is not None:
         return _accept_existing(existing, manifest, dst_store, on_exists)
 
+    after, references = _references_at(dst, manifest, dst_store)
     attempt = layout.new_attempt_id()
     writers: dict[int, ShardWriter] = {}
     try:
@@ -157,6 +175,8 @@ def replicate(
             run=manifest.run,
             topology=manifest.topology,
             metadata=metadata,
+            after=after,
+            references=references,
         )
     except CommitConflict:
         # Someone committed this step meanwhile (e.g. a concurrent copy of the same source):
@@ -166,6 +186,44 @@ def replicate(
         if existing is None:
             raise
         return _accept_existing(existing, manifest, dst_store, on_exists)
+
+
+def _references_at(
+    dst: Reader, manifest: Manifest, dst_store: Store
+) -> tuple[tuple[int, int] | None, dict[int, list[Reference]]]:
+    """The destination's parent of the copy and, per rank, the destination's references for
+    every object ``manifest`` reuses (the same identities, the destination's keys).
+
+    Raises:
+        NoCheckpointError: the destination's parent does not hold or reference one of them
+            (copy the ancestors first), or a reference is on a timeline other than 0.
+    """
+    if not manifest.references:
+        return None, {}
+    below = [ref for ref in dst.checkpoints() if ref[0] == 0 and ref[1] < manifest.step]
+    parent = dst.fetch(layout.manifest_key(max(below)[1], 0)) if below else None
+    vouched: dict[tuple[int, int, int, str], Reference] = {}
+    if parent is not None:
+        for s in parent.shards:
+            vouched[(*parent.ref, s.rank, s.name)] = Reference.to(s, parent)
+        for r in parent.references:
+            vouched[r.identity] = r
+    out: dict[int, list[Reference]] = {}
+    missing: list[str] = []
+    for ref in manifest.references:
+        there = vouched.get(ref.identity)
+        if ref.origin_timeline != 0 or there is None or (there.size, there.crc32c) != (ref.size, ref.crc32c):
+            missing.append(f"{ref.name} of rank {ref.rank} committed by step {ref.origin_step}")
+            continue
+        out.setdefault(ref.rank, []).append(there)
+    if missing:
+        raise NoCheckpointError(
+            f"step {manifest.label} reuses objects of its ancestors that {dst_store.location} does not hold "
+            f"as its parent {'(none)' if parent is None else parent.label} would need them "
+            f"({'; '.join(missing)}): copy its ancestors first (replicate_all, or `objckpt cp` of the "
+            "whole run root), oldest first"
+        )
+    return (parent.ref if parent is not None else None), out
 
 
 def _accept_existing(

@@ -56,6 +56,7 @@ from ..reader import Reader
 from ..store import Store
 from . import shards
 from .background import BackgroundSaver
+from .codec import CompressionPolicy
 from .dist import make_comm
 from .staging import SaveHandle, StagingArea
 from .state import RestoreReport, classify
@@ -178,6 +179,13 @@ class CheckpointManager:
             per root (the server answers, the bucket exists, the credentials may read it);
             ``"write"`` also a probe write and delete; ``False`` nothing. A failure is raised on
             every rank, naming the bucket.
+        dedup: write only what changed (default): chunks of the state whose bytes the parent
+            checkpoint (the one restored or last committed) already holds are recorded as
+            references to them instead of being written again (:mod:`.dedup`). ``False``
+            writes every byte of every save.
+        compression: ``None`` (default), ``"zstd"`` (byte-plane split + zstd on float
+            tensors) or ``"auto"`` (only for tensor classes where it shortens the save at the
+            measured upload bandwidth), see :mod:`.codec`.
         **store_options: options for :func:`objckpt.store.open_store` when a URI is given
             (``endpoint_url=``, ``path_style=``, ``part_size=``, ...).
 
@@ -207,6 +215,8 @@ class CheckpointManager:
         mirror: str | Store | None = None,
         mirror_policy: str = "latest",
         check: bool | str = True,
+        dedup: bool = True,
+        compression: str | None = None,
         **store_options: Any,
     ) -> None:
         if async_policy not in _POLICIES:
@@ -235,6 +245,8 @@ class CheckpointManager:
         self.metrics = metrics
         self._staging = StagingArea(max_staging_bytes)  # validates the budget before any collective
         self.async_policy = async_policy
+        self.dedup = bool(dedup)
+        self._compression = CompressionPolicy(compression)  # validates before any collective
         self.comm = make_comm(timeout=timeout, handshake_timeout=handshake_timeout, background=True)
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
@@ -283,7 +295,8 @@ class CheckpointManager:
             metrics.watch_store(self.store)
         #: (step, reason) of every checkpoint a restore rejected and fell back from
         self.fallbacks: list[tuple[int, str]] = []
-        #: bytes written by this rank and seconds taken by the last save
+        #: bytes written by this rank (and reused from the parent instead) and seconds taken by
+        #: the last save
         self.last_save: dict[str, Any] = {}
         #: what the last restore loaded on this rank (missing/unexpected keys, elastic mapping)
         self.last_restore: RestoreReport | None = None
@@ -345,7 +358,12 @@ class CheckpointManager:
                 self._warn_failed(step, exc)  # the same error on every rank: all go on alike
                 return None
             raise
-        self.last_save = {"step": step, "bytes": cap.bytes_written, "seconds": time.monotonic() - started}
+        self.last_save = {
+            "step": step,
+            "bytes": cap.bytes_written,
+            "reused_bytes": cap.reused_bytes,
+            "seconds": time.monotonic() - started,
+        }
         return manifest
 
     def save_async(
@@ -437,6 +455,7 @@ class CheckpointManager:
             self.last_save = {
                 "step": step,
                 "bytes": c.bytes_written,
+                "reused_bytes": c.reused_bytes,
                 "seconds": time.monotonic() - started,
                 "blocking_seconds": handle.blocking_seconds,
             }
@@ -731,6 +750,7 @@ class CheckpointManager:
             cap = shards.capture(
                 step, state, rank=self.rank, world_size=self.world_size, replicated_names=self.replicated
             )
+            cap.dedup, cap.compression = self.dedup, self._compression
             return cap, None
         except Exception as exc:  # noqa: BLE001 - every rank raises the same error after the handshake
             return None, exc
@@ -770,6 +790,23 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None,
         *,
         blocking: float | None = None,
+    ) -> Manifest:
+        ticket.references.extend(cap.references)
+        started = time.monotonic()
+        try:
+            return self._finish_save(ticket, cap, options, metadata, blocking)
+        finally:
+            if cap.bytes_written and ticket.started:
+                # the upload bandwidth compression="auto" weighs its codecs against
+                self._compression.bandwidth = cap.bytes_written / max(1e-6, started - ticket.started)
+
+    def _finish_save(
+        self,
+        ticket: SaveTicket,
+        cap: shards.Capture,
+        options: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None,
+        blocking: float | None,
     ) -> Manifest:
         manifest = self._saves.finish(
             ticket,

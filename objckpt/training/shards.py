@@ -41,10 +41,11 @@ import torch
 
 from .. import layout
 from ..errors import ManifestError, SerializationError, TrainingStateError
-from ..manifest import Manifest, ShardReceipt
+from ..manifest import Manifest, Reference, ShardReceipt
 from ..reader import Reader
 from ..writer import ShardWriter
-from . import replicated, serialization
+from . import dedup, replicated, serialization
+from .codec import CompressionPolicy
 from .data import check_data_position
 from .state import (
     MODULE,
@@ -99,6 +100,13 @@ class Capture:
     progress: dict[str, Any]
     bytes_written: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: write only what changed (shard format 3, :mod:`.dedup`); set by the manager
+    dedup: bool = False
+    compression: CompressionPolicy | None = None
+    #: filled by :func:`write`: the ancestors' objects this rank's shards read from
+    references: list[Reference] = field(default_factory=list)
+    #: filled by :func:`write`: bytes of state reused from the parent instead of written
+    reused_bytes: int = 0
 
     @property
     def trees(self) -> list[Any]:
@@ -181,17 +189,68 @@ def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = N
                 raise Abandoned()
 
     written = 0
+    chunked = cap.dedup or (cap.compression is not None and cap.compression.enabled)
+    index = None
+    if cap.dedup:
+        parent = dedup.parent_for(writer.store, cap.step)
+        if parent is not None:
+            index = dedup.build_index(
+                writer.store,
+                parent,
+                rank=writer.rank,
+                names=(REPLICATED_SHARD, RANK_SHARD),
+                layout=STATE_LAYOUT,
+            )
+    used: set[serialization.Identity] = set()
+    headers: list[tuple[str, dict[str, Any]]] = []
+    cap.reused_bytes = 0
     for name, tree in ((REPLICATED_SHARD, cap.replicated_tree), (RANK_SHARD, cap.local_tree)):
         if tree is None:
             continue
-        encoded = serialization.encode(tree)
+        if chunked:
+            encoded: Any = serialization.encode_chunked(tree, _chunk_options(writer, cap, index))
+        else:
+            encoded = serialization.encode(tree)
         source: Iterable[memoryview] = encoded.buffers()
         if abandon is not None:
             source = _abortable(source, abandon)
-        writer.write(name, source, progress=progress)
-        written += encoded.size
+        receipt = writer.write(name, source, progress=progress)
+        written += receipt.size
+        if chunked:
+            used |= encoded.used
+            cap.reused_bytes += encoded.reused_bytes
+            headers.append((name, encoded.header))
     cap.bytes_written = written
+    cap.references = index.references_used(used) if index is not None else []
+    for name, header in headers:  # the next save indexes these without a request
+        dedup.remember(writer.store, writer.step, writer.attempt, writer.rank, name, header)
     return writer.receipts
+
+
+def _never(sample: bytes, length: int) -> bool:
+    return False  # compression without deduplication: no chunk needs its full hash
+
+
+def _chunk_options(
+    writer: ShardWriter, cap: Capture, index: dedup.ChunkIndex | None
+) -> serialization.ChunkOptions:
+    policy = cap.compression if cap.compression is not None and cap.compression.enabled else None
+    return serialization.ChunkOptions(
+        chunk_size=dedup.CHUNK_SIZE,
+        hash_name=dedup.HASH_NAME,
+        hash_fn=dedup.chunk_hash,
+        min_bytes=dedup.MIN_BYTES,
+        lookup=index.lookup if index is not None else None,
+        sample_fn=dedup.chunk_sample,
+        # hash only chunks whose sample the parent has; everything when there is nothing to
+        # compare with (no parent, or one written without samples)
+        candidate=(index.has_sample if index is not None and index.samples else None)
+        if cap.dedup
+        else _never,
+        codec=policy.codec if policy is not None else None,
+        compress=policy.try_compress if policy is not None else None,
+        part_size=writer.part_size or writer.store.part_size,
+    )
 
 
 def _abortable(buffers: Iterable[memoryview], abandon: threading.Event) -> Iterator[memoryview]:
@@ -272,9 +331,23 @@ def stage(
     rep_receipts = [s for s in manifest.shards if s.name == REPLICATED_SHARD] if wanted_rep else []
     receipts = [*rank_receipts, *rep_receipts]
 
+    resolver = dedup.resolver_for(reader.store, manifest) if manifest.references else None
+
     def read(receipt: ShardReceipt) -> Any:
+        def read_range(start: int, end: int) -> bytes:
+            return reader.store.get(receipt.key, byte_range=(start, end))
+
+        def keep(header: dict[str, Any]) -> None:  # the next save indexes it without a request
+            dedup.remember(reader.store, manifest.step, manifest.attempt, receipt.rank, receipt.name, header)
+
         try:
-            return serialization.decode_stream(reader.open_shard(receipt), total_size=receipt.size)
+            return serialization.decode_stream(
+                reader.open_shard(receipt),
+                total_size=receipt.size,
+                read_range=read_range,
+                resolver=resolver,
+                on_header=keep,
+            )
         except SerializationError as exc:
             raise SerializationError(f"{receipt.key}: {exc}") from exc
 

@@ -78,7 +78,9 @@ def _forge(tree: object, version: int) -> bytes:
 def test_hostile_view_nodes_are_refused(node: object, version: int, match: str) -> None:
     with pytest.raises(SerializationError, match=match):
         decode(_forge(node, version))
-    with pytest.raises(SerializationError, match="unsupported format version 3"):
+    with pytest.raises(SerializationError, match="unsupported format version 4"):
+        decode(_forge(1, 4))
+    with pytest.raises(SerializationError, match="trailer"):  # version 3 keeps its header at the end
         decode(_forge(1, 3))
 
 

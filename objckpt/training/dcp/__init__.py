@@ -50,10 +50,14 @@ from ._metadata import (
     FORMAT_VERSION,
     MANIFEST_KEY,
     METADATA_SHARD,
-    _ItemLocation,
-    _ResolvedCheckpoint,
     decode_metadata,
     encode_metadata,
+)
+from ._metadata import (
+    _ItemLocation as _ItemLocation,
+)
+from ._metadata import (
+    _ResolvedCheckpoint as _ResolvedCheckpoint,
 )
 from .api import async_save_sharded, commit_error_from, load_sharded, save_sharded
 from .reader import ObjckptStorageReader

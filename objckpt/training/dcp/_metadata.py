@@ -42,8 +42,12 @@ _KeyIndex = dict[tuple[int, str], tuple[str, int]]  # (rank, shard name) -> (key
 
 #: manifest ``metadata`` key under which a DCP checkpoint describes itself
 MANIFEST_KEY = "dcp"
-#: version of the JSON encoding of DCP's Metadata (bump on incompatible change)
-FORMAT_VERSION = 1
+#: version of the JSON encoding of DCP's Metadata (bump on incompatible change); version 2 adds
+#: each tensor item's content hash and items located in an ancestor's shard (deduplication)
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+#: DCP metadata kept in-process per checkpoint (``dedup.remember_value``)
+CACHE_TAG = "dcp-items"
 METADATA_SHARD = "dcp-metadata.json"
 _DATA_SHARD = "dcp-{:05d}.bin"
 _FORMAT_NAME = "objckpt-dcp-metadata"
@@ -76,6 +80,15 @@ class _ItemLocation:
     dtype: str | None = None  # torch dtype name, e.g. "float32" (tensors)
     shape: tuple[int, ...] | None = None  # the stored chunk's shape (tensors)
     receipt: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: ``(timeline, step)`` of the ancestor whose shard ``(rank, shard)`` holds the bytes (None:
+    #: this checkpoint's own shard): an unchanged item is not written again (deduplication)
+    origin: tuple[int, int] | None = None
+    #: content hash of the item's bytes (``dedup.HASH_NAME``), so the next save can reuse them;
+    #: only computed when the item may be unchanged or is new (see ``sample``)
+    hash: str | None = None
+    #: ``dedup.chunk_sample`` of its bytes: the next save hashes an item in full only when the
+    #: live item's sample equals this
+    sample: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,8 @@ class _GlobalStorageData:
     rank: int
     world_size: int
     nonce: str | None
+    #: items of the parent checkpoint this rank may reuse, by index (deduplication)
+    candidates: dict[Any, _ItemLocation] | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +236,12 @@ def encode_metadata(metadata: Metadata, locations: Mapping[MetadataIndex, _ItemL
                 "shape": None if loc.shape is None else list(loc.shape),
             }
         )
+        if loc.origin is not None:
+            items[-1]["from"] = [int(loc.origin[0]), int(loc.origin[1])]
+        if loc.hash is not None:
+            items[-1]["hash"] = loc.hash
+        if loc.sample is not None:
+            items[-1]["sample"] = loc.sample
     items.sort(key=lambda it: (it["rank"], it["shard"], it["start"]))
     body = {
         "format": _FORMAT_NAME,
@@ -272,10 +293,10 @@ def decode_metadata(raw: bytes) -> tuple[Metadata, dict[MetadataIndex, _ItemLoca
         raise ManifestError(f"DCP metadata shard is not JSON ({exc}); refusing it") from None
     if not isinstance(body, dict) or body.get("format") != _FORMAT_NAME:
         raise ManifestError("DCP metadata shard is not objckpt DCP metadata")
-    if body.get("format_version") != FORMAT_VERSION:
+    if body.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise ManifestError(
             f"DCP metadata format version {body.get('format_version')!r} is not supported "
-            f"(this objckpt reads {FORMAT_VERSION})"
+            f"(this objckpt reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))})"
         )
     if body.get("byteorder") != sys.byteorder:
         raise ConfigError(
@@ -338,7 +359,19 @@ def decode_metadata(raw: bytes) -> tuple[Metadata, dict[MetadataIndex, _ItemLoca
                         f"DCP metadata: item {index.fqn} length {length} does not match its "
                         f"shape {list(shape)} and dtype {dtype}"
                     )
-            loc = _ItemLocation(rank, it["shard"], start, length, it["crc32c"], kind, dtype, shape)
+            origin = it.get("from")
+            if origin is not None:
+                origin = _ints(origin, "item origin")
+                if len(origin) != 2:
+                    raise TypeError("origin")
+            digest, sample = it.get("hash"), it.get("sample")
+            for v in (digest, sample):
+                if v is not None and (not isinstance(v, str) or len(v) > 128):
+                    raise TypeError("hash/sample")
+            loc = _ItemLocation(
+                rank, it["shard"], start, length, it["crc32c"], kind, dtype, shape,
+                origin=origin, hash=digest, sample=sample,
+            )  # fmt: skip
         except ManifestError:
             raise
         except (KeyError, TypeError, AttributeError, ValueError) as exc:

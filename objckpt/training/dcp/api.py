@@ -80,13 +80,16 @@ def save_sharded(
     retention: RetentionPolicy | None = None,
     metrics: CheckpointMetrics | None = None,
     mirror: StoreLike | Mirror | None = None,
+    dedup: bool = True,
     **store_options: Any,
 ) -> int:
     """``dcp.save`` ``state_dict`` as committed step ``step`` on every rank of the group.
 
     Call on every rank (with no process group initialized: a single-process save). Returns the
     committed step on every rank. ``retention`` is applied by the coordinator after the commit;
-    ``store_options`` open a URI (as :func:`objckpt.store.open_store`).
+    ``store_options`` open a URI (as :func:`objckpt.store.open_store`). ``dedup``: tensor items
+    unchanged since the parent checkpoint are not written again (see
+    :class:`ObjckptStorageWriter`).
 
     ``mirror``: a :class:`~objckpt.coordination.mirror.Mirror` (long-lived: the commit is
     handed to it and replicated in the background), or a second run root (URI or Store), which
@@ -104,7 +107,7 @@ def save_sharded(
     step = check_step(step)
     writer = ObjckptStorageWriter(
         uri_or_store, step, progress=progress, run=run, metadata=metadata,
-        retention=retention, metrics=metrics, store_options=store_options,
+        retention=retention, metrics=metrics, store_options=store_options, dedup=dedup,
     )  # fmt: skip
     try:
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
@@ -148,6 +151,7 @@ def async_save_sharded(
     metadata: Mapping[str, Any] | None = None,
     retention: RetentionPolicy | None = None,
     metrics: CheckpointMetrics | None = None,
+    dedup: bool = True,
     **store_options: Any,
 ) -> concurrent.futures.Future[int]:
     """``dcp.async_save`` (thread executor) to committed step ``step``.
@@ -158,7 +162,7 @@ def async_save_sharded(
     step = check_step(step)
     writer = ObjckptStorageWriter(
         uri_or_store, step, progress=progress, run=run, metadata=metadata,
-        retention=retention, metrics=metrics, store_options=store_options,
+        retention=retention, metrics=metrics, store_options=store_options, dedup=dedup,
     )  # fmt: skip
     try:
         response = dcp.async_save(state_dict, storage_writer=writer, process_group=process_group)

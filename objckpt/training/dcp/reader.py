@@ -44,16 +44,18 @@ from ...layout import check_step, shard_key
 from ...manifest import Manifest
 from ...reader import Reader
 from ...store import Store
+from .. import dedup
 from ._metadata import (
     _COALESCE_GAP,
     _RANGE_PARTS,
-    FORMAT_VERSION,
+    CACHE_TAG,
     MANIFEST_KEY,
+    READABLE_FORMAT_VERSIONS,
     _dtype_from_name,
+    _first_line,
     _ItemLocation,
     _parse_step,
     _ResolvedCheckpoint,
-    _first_line,
     _warn_fallback,
     decode_metadata,
 )
@@ -61,7 +63,7 @@ from ._metadata import (
 log = logging.getLogger("objckpt.training.dcp")
 
 StoreLike = Union[str, Store]
-_KeyIndex = dict[tuple[int, str], tuple[str, int]]  # (rank, shard name) -> (key, size)
+_KeyIndex = dict[Any, tuple[str, int]]  # (rank, shard) or (origin, rank, shard) -> (key, size)
 
 # ---------------------------------------------------------------------------------- reader
 
@@ -175,14 +177,22 @@ class ObjckptStorageReader(StorageReader):
                 f"checkpoint step {manifest.step} under {self.store.location} was not written "
                 "by ObjckptStorageWriter (no DCP metadata in its manifest)"
             )
-        if info.get("format_version") != FORMAT_VERSION:
+        if info.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise ManifestError(
                 f"step {manifest.step}: unsupported DCP format {info.get('format_version')!r}"
             )
         world_size = manifest.world_size
         by_key = {r.key: r for r in manifest.shards}
 
-        def receipt_for(rank: Any, name: Any) -> Any:
+        def receipt_for(rank: Any, name: Any, origin: Any = None) -> Any:
+            if origin is not None:  # an item reused from an ancestor's object (deduplication)
+                try:
+                    return manifest.reference(tuple(origin), rank, name)
+                except KeyError:  # only objects the (validated) manifest references are read
+                    raise ManifestError(
+                        f"step {manifest.step}: DCP data names shard {name!r} of rank {rank!r} of "
+                        f"checkpoint {tuple(origin)}, which the manifest does not reference"
+                    ) from None
             if not isinstance(rank, int) or not 0 <= rank < world_size:
                 raise ManifestError(f"step {manifest.step}: DCP data names rank {rank!r} of {world_size}")
             try:
@@ -203,15 +213,18 @@ class ObjckptStorageReader(StorageReader):
         metadata, locations = decode_metadata(raw)
         keys: _KeyIndex = {}
         for index, loc in locations.items():
-            if (loc.rank, loc.shard) not in keys:
-                receipt = receipt_for(loc.rank, loc.shard)
-                keys[(loc.rank, loc.shard)] = (receipt.key, int(receipt.size))
-            key, size = keys[(loc.rank, loc.shard)]
+            where = _where(loc)
+            if where not in keys:
+                receipt = receipt_for(loc.rank, loc.shard, loc.origin)
+                keys[where] = (receipt.key, int(receipt.size))
+            key, size = keys[where]
             if loc.start + loc.length > size:
                 raise ManifestError(
                     f"step {manifest.step}: item {index.fqn} [{loc.start}, {loc.start + loc.length}) "
                     f"lies beyond shard {key} ({size} bytes)"
                 )
+        # a save that continues from this checkpoint indexes its items without reading them
+        dedup.remember_value(self.store, manifest.step, manifest.attempt, CACHE_TAG, locations)
         return metadata, locations, keys
 
     def set_up_storage_reader(
@@ -258,7 +271,7 @@ class ObjckptStorageReader(StorageReader):
                 raise ManifestError(
                     f"step {self.step}: checkpoint has no data for {index.fqn} at {index.offset}"
                 )
-            key, _ = self._keys[(loc.rank, loc.shard)]
+            key, _ = self._keys[_where(loc)]
             per_key.setdefault(key, []).append((loc, reqs))
         ranges = self._coalesce(per_key)
         window = max(1, self.store.max_in_flight)
@@ -268,7 +281,7 @@ class ObjckptStorageReader(StorageReader):
             pending: list[concurrent.futures.Future[bytes]] = []
             next_submit = 0
             try:
-                for i, (key, start, end, members) in enumerate(ranges):
+                for i, (key, start, _end, members) in enumerate(ranges):
                     # Keep at most `window` ranges fetched ahead: memory stays bounded.
                     while next_submit < len(ranges) and next_submit < i + window:
                         k, s, e, _ = ranges[next_submit]
@@ -368,6 +381,11 @@ class ObjckptStorageReader(StorageReader):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _where(loc: _ItemLocation) -> Any:
+    """Which object holds an item: its checkpoint's own shard, or an ancestor's (by identity)."""
+    return (loc.rank, loc.shard) if loc.origin is None else (tuple(loc.origin), loc.rank, loc.shard)
 
 
 def _tensor_from(view: memoryview, loc: _ItemLocation) -> torch.Tensor:

@@ -7,6 +7,8 @@ import io
 import logging
 import secrets
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future as HashFuture
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Union
 
 import torch
@@ -37,12 +39,16 @@ from ...errors import (
 )
 from ...gc import RetentionPolicy
 from ...layout import check_step, new_attempt_id
+from ...manifest import Reference
 from ...metrics import CheckpointMetrics
+from ...reader import Reader
 from ...store import Store
 from ...writer import ShardWriter
+from .. import dedup
 from ._metadata import (
     _DATA_SHARD,
     _DCP_VERSION,
+    CACHE_TAG,
     FORMAT_VERSION,
     MANIFEST_KEY,
     METADATA_SHARD,
@@ -96,6 +102,11 @@ class ObjckptStorageWriter(StorageWriter):
             identity, extra manifest metadata; the ``"dcp"`` metadata key is reserved).
         max_shard_bytes: start a new shard file once a rank's current one holds this many bytes
             (S3 allows 10,000 parts per object); default ``8192 x store.part_size``.
+        dedup: write only what changed (default): a tensor item whose bytes hash to those of
+            the same item (fqn and offset) of the parent checkpoint (the one restored or last
+            committed by this process) is not written again; the item table locates it in the
+            parent's object, by identity, and the manifest references that object. ``False``
+            writes every item.
 
     Atomicity: all or nothing per step, decided by the manifest's create-if-absent write.
 
@@ -120,8 +131,12 @@ class ObjckptStorageWriter(StorageWriter):
         retention: RetentionPolicy | None = None,
         metrics: CheckpointMetrics | None = None,
         store_options: Mapping[str, Any] | None = None,
+        dedup: bool = True,
     ) -> None:
         super().__init__()
+        #: write only what changed: a tensor item whose bytes (content hash) equal the same
+        #: item of the parent checkpoint is recorded as located in the parent's object
+        self.dedup = bool(dedup)
         self.store, self._owns_store = open_root(uri_or_store, store_options)
         # DCP gathers the plans and write results itself: the session is used for its
         # decisions on the coordinator (the attempt, the commit, retention), not its collectives.
@@ -149,6 +164,8 @@ class ObjckptStorageWriter(StorageWriter):
         self.attempt = None
         self.manifest = None
         self._nonce: str | None = None
+        self._parent: Any = None  # the parent manifest whose items this save may reuse
+        self._candidates: dict[Any, _ItemLocation] = {}
 
     # -- DCP protocol
 
@@ -200,13 +217,50 @@ class ObjckptStorageWriter(StorageWriter):
         # One fresh attempt per save, drawn once, delivered to every rank in the plan DCP
         # scatters anyway: no extra collective.
         attempt = new_attempt_id()
+        parent_items = self._parent_items() if self.dedup else {}
         out = []
         for i, plan in enumerate(plans):
             local = plan.storage_data
             nonce = local.nonce if isinstance(local, _LocalStorageData) else None
+            # each rank gets only the parent's items its own plan names: no rank reads metadata
+            candidates = {
+                item.index: parent_items[item.index]
+                for item in plan.items
+                if item.type != WriteItemType.BYTE_IO and item.index in parent_items
+            }
             out.append(
-                dataclasses.replace(plan, storage_data=_GlobalStorageData(attempt, i, len(plans), nonce))
+                dataclasses.replace(
+                    plan, storage_data=_GlobalStorageData(attempt, i, len(plans), nonce, candidates or None)
+                )
             )
+        return out
+
+    def _parent_items(self) -> dict[Any, _ItemLocation]:
+        """Coordinator: the hashed tensor items of the checkpoint this save continues from, each
+        located absolutely (``origin`` set), from this process's last commit or restore, else
+        from one read of the parent's metadata shard. Empty when there is nothing to reuse."""
+        parent = dedup.parent_for(self.store, self.step) if self.step is not None else None
+        info = parent.metadata.get(MANIFEST_KEY) if parent is not None else None
+        if parent is None or not isinstance(info, Mapping):
+            return {}
+        locations = dedup.recall_value(self.store, parent.step, parent.attempt, CACHE_TAG)
+        if locations is None:
+            try:
+                from .reader import ObjckptStorageReader
+
+                _, locations, _ = ObjckptStorageReader(self.store, manifest=parent)._decode(
+                    Reader(self.store), parent
+                )
+            except Exception as exc:  # noqa: BLE001 - reuse is an optimisation: write everything
+                log.warning(
+                    "cannot read the DCP metadata of step %s to reuse its items: %s", parent.label, exc
+                )
+                return {}
+        self._parent = parent
+        out = {}
+        for index, loc in locations.items():
+            if loc.kind == "tensor" and (loc.hash is not None or loc.sample is not None):
+                out[index] = dataclasses.replace(loc, origin=loc.origin or parent.ref, receipt=None)
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -225,6 +279,7 @@ class ObjckptStorageWriter(StorageWriter):
         if sd.rank != self.rank:
             raise DistributedError(f"rank {self.rank} received the plan for rank {sd.rank}")
         self.attempt = sd.attempt
+        self._candidates = dict(sd.candidates or {})
         writer = ShardWriter(self.store, step=self.step, attempt=sd.attempt, rank=sd.rank)
         results: list[WriteResult] = []
         for number, items in enumerate(self._split(plan.items)):
@@ -232,12 +287,14 @@ class ObjckptStorageWriter(StorageWriter):
             locations: list[tuple[WriteItem, _ItemLocation]] = []
             receipt = writer.write(name, self._stream(name, items, planner, locations))
             for item, loc in locations:
-                loc = dataclasses.replace(loc, receipt=receipt)
+                loc = dataclasses.replace(loc, receipt=None if loc.origin is not None else receipt)
                 results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
-            if not items:  # an empty shard: proves this rank took part (see _split)
+            if not any(loc.origin is None for _, loc in locations):
+                # an empty shard (no items, or every item reused): proves this rank took part
+                # and carries the shard's receipt (see _split)
                 results.append(
                     WriteResult(
-                        index=MetadataIndex(f"__objckpt_rank_{sd.rank}__"),
+                        index=MetadataIndex(f"__objckpt_rank_{sd.rank}_{name}__"),
                         size_in_bytes=0,
                         storage_data=_ItemLocation(
                             sd.rank, name, 0, 0, crc32c_b64(b""), "none", receipt=receipt
@@ -277,6 +334,27 @@ class ObjckptStorageWriter(StorageWriter):
         record where each landed with its CRC32C. Runs in the uploading thread, so ``out`` is
         complete when ``ShardWriter.write`` returns."""
         offset = 0
+        hashing: list[tuple[int, HashFuture[bytes]]] = []  # (index in out, hash) computed while uploading
+        pool = ThreadPoolExecutor(1, thread_name_prefix="objckpt-dcp-hash") if self.dedup else None
+        try:
+            yield from self._stream_items(name, items, planner, out, offset, hashing, pool)
+            for i, fut in hashing:
+                item, loc = out[i]
+                out[i] = (item, dataclasses.replace(loc, hash=fut.result().hex()))
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+    def _stream_items(
+        self,
+        name: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        out: list[tuple[WriteItem, _ItemLocation]],
+        offset: int,
+        hashing: list[tuple[int, HashFuture[bytes]]],
+        pool: ThreadPoolExecutor | None,
+    ) -> Iterator[memoryview]:
         for item in items:
             data = planner.resolve_data(item)
             crc = Crc32c()
@@ -300,6 +378,18 @@ class ObjckptStorageWriter(StorageWriter):
                         f"plan says {expected}"
                     )
                 view = _tensor_bytes(data)
+                cand = self._candidates.get(item.index)
+                sample = digest = None
+                if pool is not None:
+                    sample = dedup.chunk_sample(view).hex()
+                    # hashed in full only when it may be unchanged (its sample is the parent's)
+                    # or is new (nothing to compare it with): a changed item is never hashed
+                    if cand is not None and cand.length == view.nbytes and cand.sample in (None, sample):
+                        digest = dedup.chunk_hash(view).hex()
+                        if digest == cand.hash and cand.dtype == _dtype_name(data.dtype):
+                            # unchanged since the parent: located in the parent's object, not sent
+                            out.append((item, dataclasses.replace(cand, receipt=None)))
+                            continue
                 loc = _ItemLocation(
                     self.rank,
                     name,
@@ -312,6 +402,11 @@ class ObjckptStorageWriter(StorageWriter):
                 )
             crc.update(view)
             out.append((item, dataclasses.replace(loc, crc32c=crc.b64)))
+            if pool is not None and loc.kind == "tensor":
+                loc = dataclasses.replace(loc, crc32c=crc.b64, sample=sample, hash=digest)
+                out[-1] = (item, loc)
+                if digest is None and (cand is None or cand.length != view.nbytes):
+                    hashing.append((len(out) - 1, pool.submit(dedup.chunk_hash, view)))
             offset += view.nbytes
             if view.nbytes:
                 yield view
@@ -330,11 +425,17 @@ class ObjckptStorageWriter(StorageWriter):
         world_size = len(results)
         locations: dict[MetadataIndex, _ItemLocation] = {}
         receipts: dict[int, dict[str, Any]] = {r: {} for r in range(world_size)}
+        references: dict[int, dict[Any, Any]] = {r: {} for r in range(world_size)}
         for rank, rank_results in enumerate(results):
             for wr in rank_results:
                 loc = wr.storage_data
                 if not isinstance(loc, _ItemLocation):
                     raise CommitError(f"rank {rank} returned foreign write results", {rank: repr(loc)[:200]})
+                if loc.origin is not None:  # reused from an ancestor's object
+                    ref = self._reference(loc)
+                    references[rank][ref.identity] = ref
+                    locations[wr.index] = loc
+                    continue
                 if loc.rank != rank:
                     raise CommitError(
                         f"rank {rank} reported data of rank {loc.rank}", {rank: "rank mismatch"}
@@ -357,7 +458,11 @@ class ObjckptStorageWriter(StorageWriter):
             "metadata_shard": {"rank": 0, "name": METADATA_SHARD},
         }
         reports = [
-            {"receipts": [r.to_dict() for r in by_name.values()]} for _, by_name in sorted(receipts.items())
+            {
+                "receipts": [r.to_dict() for r in by_name.values()],
+                "references": [r.to_dict() for r in references[rank].values()],
+            }
+            for rank, by_name in sorted(receipts.items())
         ]
         self.manifest = self.session.commit(
             self.step,
@@ -368,7 +473,22 @@ class ObjckptStorageWriter(StorageWriter):
             topology={"world_size": world_size, "format": "torch-dcp"},
             metadata=manifest_metadata,
         )
+        # the next save of this process indexes this table without reading it back
+        dedup.remember_value(self.store, self.manifest.step, self.manifest.attempt, CACHE_TAG, locations)
         self.session.retain()
+
+    def _reference(self, loc: _ItemLocation) -> Any:
+        """The manifest reference for an item the parent holds (its own shard, or one it
+        references itself)."""
+        parent = self._parent
+        if parent is None or loc.origin is None:
+            raise CommitError("a rank reused an item, but this save has no parent to reuse from")
+        try:
+            if tuple(loc.origin) == parent.ref:
+                return Reference.to(parent.shard(loc.rank, loc.shard), parent)
+            return parent.reference(tuple(loc.origin), loc.rank, loc.shard)
+        except KeyError as exc:
+            raise CommitError(f"a reused item names an object its parent does not hold: {exc}") from None
 
     def close(self) -> None:
         """Close the store if this writer opened it from a URI."""
