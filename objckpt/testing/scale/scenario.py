@@ -1,0 +1,569 @@
+"""Scenarios: saves and a restore of a simulated job, through the library's own sessions.
+
+:func:`run_scenario` builds a :class:`~.store.SimulatedStore` (around a ``MemoryStore``) and a
+:class:`~.world.SimWorld`, then, under :func:`~.clock.virtual_time`:
+
+1. ``options.saves`` saves (steps 1, 2, ...), ``interval_s`` of virtual time apart, each by
+   every rank through :class:`~objckpt.coordination.save.SaveSession` (``begin``, the adapter's
+   writes through ``ShardWriter``, ``finish``: the receipts gather, rank 0's
+   ``Coordinator.commit`` and its retention, the outcome and manifest broadcasts). The session
+   is subclassed only to time ``commit`` and ``retain`` and label their requests.
+2. If nothing committed (today's design at thousands of ranks: the saves fail on SlowDowns) and
+   ``seed_unthrottled``, one more save with the rate limits off, so that the restore can still
+   be measured (reported as "seeded").
+3. One restore by every rank through :class:`~objckpt.coordination.restore.RestoreSession`
+   (rank 0 resolves and broadcasts the manifest, every rank stages its reads through
+   ``Reader.read_shard``, the ranks agree).
+4. The committed manifest's size, and the time of ``Manifest.decode`` on it (real CPU, measured
+   in the harness thread while nothing else runs).
+
+What the virtual clock is charged with: every request's modelled latency and transfer time, every
+collective's modelled cost, every retry backoff (the policy's own jittered sleeps), and the real
+CPU time (``time.thread_time``) of the coordinator's ``commit`` call and of every
+``Manifest.decode`` (each rank decodes the manifest it receives). Other CPU of the simulation
+(JSON of the collectives, the adapter, the store wrapper's bookkeeping) is not charged.
+
+``memoize_manifest_decode``: every rank receives the same manifest bytes; with this option the
+real ``Manifest.decode`` runs once per distinct bytes object and every rank after the first gets
+the same decoded object, its virtual clock still charged the measured decode time (16,384 real
+decodes of a 26 MB manifest would take hours on 2 cores). Off, every rank decodes for real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..._retry import RetryPolicy
+from ...coordination.restore import RestoreSession
+from ...coordination.save import SaveSession
+from ...errors import CommitError
+from ...gc import RetentionPolicy
+from ...manifest import Manifest
+from ...reader import Reader
+from . import clock
+from .adapter import Adapter, RankIO
+from .fixes import FIXES, FixNotBuilt
+from .model import NetworkModel, RateModel, StoreProfile
+from .store import (
+    IndexedMemoryStore,
+    Recorder,
+    SimulatedStore,
+    SimulationBudgetExceeded,
+    inner_cpu,
+    is_slowdown,
+)
+from .world import SimComm, SimWorld
+
+__all__ = ["PhaseResult", "ScaleOptions", "ScenarioResult", "run_scenario"]
+
+
+@dataclass(frozen=True)
+class ScaleOptions:
+    """One scenario. Sizes are real bytes (``network.byte_scale`` scales them for the model).
+
+    Attributes:
+        world_size: ranks.
+        shards_per_rank: shards each rank writes per save, its ``replicated.bin`` included.
+        shard_bytes: real bytes of each per-rank shard.
+        replicated_bytes: real bytes of the whole replicated state (each rank writes 1/N).
+        profile, network: the store's performance model.
+        retry: the store's retry policy (the library's default).
+        keep_last: retention applied by rank 0 after every commit (``None``: none).
+        saves: saves before the restore (the last one is the steady state reported).
+        interval_s: virtual seconds between saves.
+        max_threads: host ranks on at most this many threads (see :mod:`.world`).
+        read_lanes / write_lanes: concurrent transfers of one rank while staging / writing.
+        memoize_manifest_decode: see the module doc.
+        lag: scheduling slack in virtual seconds (see :mod:`.clock`); ``None``: threads run
+            free (no ordering of requests by virtual time).
+        stop_restore_on_failure: once one rank's staging failed, the others stop issuing reads
+            (the restore is failed anyway; a real job's ranks would go on until their own
+            failure, so the traffic reported for a failed restore is a lower bound).
+        max_requests: stop a scenario that would issue more requests than this.
+        seed_unthrottled: see step 2 of the module doc.
+        key_spreading, replicated_read_once: fixes (:mod:`.fixes`); ``True`` raises
+            :class:`FixNotBuilt` until the fix exists.
+    """
+
+    world_size: int = 8
+    shards_per_rank: int = 8
+    shard_bytes: int = 4096
+    replicated_bytes: int = 4 * 1024 * 1024
+    profile: StoreProfile = field(default_factory=StoreProfile.s3)
+    network: NetworkModel = field(default_factory=NetworkModel)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    keep_last: int | None = 1
+    saves: int = 2
+    interval_s: float = 600.0
+    max_threads: int = 4096
+    read_lanes: int = 8
+    write_lanes: int = 1
+    memoize_manifest_decode: bool = True
+    lag: float | None = 0.25
+    stop_restore_on_failure: bool = True
+    max_requests: int | None = 6_000_000
+    seed_unthrottled: bool = True
+    key_spreading: bool = False
+    replicated_read_once: bool = False
+
+    @property
+    def fixes(self) -> list[str]:
+        return [f.option for f in FIXES if getattr(self, f.option)]
+
+    @property
+    def threads(self) -> int:
+        t = min(self.world_size, self.max_threads)
+        while self.world_size % t:
+            t -= 1
+        return t
+
+
+@dataclass
+class PhaseResult:
+    """One save or the restore, as the simulated store saw it."""
+
+    kind: str
+    step: int | None
+    ok: bool
+    outcome: str
+    failed_ranks: int
+    seeded: bool
+    requests: dict[str, int]
+    requests_by_phase: dict[str, dict[str, int]]
+    rank0: dict[str, int]
+    other_ranks_max: dict[str, int]
+    other_ranks_lists: int
+    data_lists: dict[str, int]
+    slowdowns_injected: int
+    slowdowns_absorbed: int
+    slowdowns_gave_up: int
+    slowdowns_by_phase: dict[str, int]
+    gave_up_by_phase: dict[str, int]
+    hottest: dict[str, Any]
+    partitions: int
+    virtual_s: float
+    retention_s: float | None
+    commit_thread_cpu_s: float | None
+    commit_process_cpu_s: float | None
+    wall_s: float
+    bytes_written: int
+    bytes_read: int
+    rank_read_bytes_max: int
+    rank_read_bytes_min: int
+    rank_planned_bytes_max: int
+    planned_reads: int
+    planned_read_bytes: int
+    threads: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.requests.values())
+
+
+@dataclass
+class ScenarioResult:
+    options: dict[str, Any]
+    saves: list[PhaseResult]
+    restore: PhaseResult | None
+    unique_bytes: int
+    manifest_bytes: int
+    manifest_shards: int
+    manifest_decode_s: float
+    manifest_encode_s: float
+    wall_s: float
+    pace_waits: int = 0
+    lag_violations: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Probe:
+    """Timings of the coordinator's commit and retention (rank 0)."""
+
+    def __init__(self) -> None:
+        self.commit_thread_cpu: float | None = None
+        self.commit_process_cpu: float | None = None
+        self.retain_start: float | None = None
+        self.retain_end: float | None = None
+
+
+class _InstrumentedSaveSession(SaveSession):
+    """The library's SaveSession; ``commit`` and ``retain`` are timed and their requests labelled
+    (nothing else differs)."""
+
+    probe: _Probe
+
+    def commit(self, *args: Any, **kwargs: Any) -> Manifest:
+        with clock.phase("commit"):
+            t_thread, t_process, t_store = time.thread_time(), time.process_time(), inner_cpu()
+            try:
+                return super().commit(*args, **kwargs)
+            finally:
+                # the in-memory store's own CPU is the server's work, not the coordinator's
+                cpu = time.thread_time() - t_thread - (inner_cpu() - t_store)
+                self.probe.commit_thread_cpu = cpu
+                self.probe.commit_process_cpu = time.process_time() - t_process
+                tl = clock.current()
+                if tl is not None:
+                    tl.advance(cpu)  # everyone waits for the coordinator's CPU
+
+    def retain(self) -> None:
+        tl = clock.current()
+        with clock.phase("retain"):
+            self.probe.retain_start = tl.now if tl else None
+            super().retain()
+            self.probe.retain_end = tl.now if tl else None
+
+
+class _Decoded:
+    """One memoized decode: the first caller decodes, concurrent callers wait for it."""
+
+    def __init__(self, data: bytes, key: str) -> None:
+        self.data = data
+        self.key = key
+        self.done = threading.Event()
+        self.manifest: Manifest | None = None
+        self.cpu = 0.0
+
+
+@contextlib.contextmanager
+def _charged_decode(memoize: bool) -> Iterator[None]:
+    """Charge every ``Manifest.decode`` its CPU on the caller's timeline; optionally decode each
+    distinct bytes object once (see the module doc)."""
+    original = Manifest.__dict__["decode"]
+    cache: dict[int, _Decoded] = {}
+    lock = threading.Lock()
+
+    def real(cls: type[Manifest], data: bytes, key: str) -> tuple[Manifest, float]:
+        t0 = time.thread_time()
+        manifest = original.__func__(cls, data, key=key)
+        return manifest, time.thread_time() - t0
+
+    def decode(cls: type[Manifest], data: bytes, *, key: str) -> Manifest:
+        tl = clock.current()
+        if not (memoize and isinstance(data, bytes)):
+            manifest, cpu = real(cls, data, key)
+        else:
+            with lock:
+                entry = cache.get(id(data))
+                leader = entry is None or entry.data is not data or entry.key != key
+                if leader:
+                    entry = cache[id(data)] = _Decoded(data, key)
+                    for old in [k for k, e in cache.items() if e is not entry and e.done.is_set()][:-4]:
+                        del cache[old]
+            assert entry is not None
+            if leader:
+                try:
+                    entry.manifest, entry.cpu = real(cls, data, key)
+                finally:
+                    entry.done.set()
+            else:
+                with clock.blocked():
+                    entry.done.wait()
+            if entry.manifest is None:  # the leader's decode raised: raise the same, ourselves
+                manifest, cpu = real(cls, data, key)
+            else:
+                manifest, cpu = entry.manifest, entry.cpu
+        if tl is not None:
+            tl.advance(cpu)
+        return manifest
+
+    Manifest.decode = classmethod(decode)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        Manifest.decode = original  # type: ignore[method-assign]
+
+
+def _check_fixes(options: ScaleOptions) -> list[contextlib.AbstractContextManager[Any]]:
+    contexts = []
+    for f in FIXES:
+        if getattr(options, f.option):
+            if f.enable is None:
+                raise FixNotBuilt(f"{f.option}: not built yet ({f.title})")
+            contexts.append(f.enable(options))
+    return contexts
+
+
+def _counts(c: Any) -> dict[str, int]:
+    return {k: int(v) for k, v in sorted(c.items())}
+
+
+def _hottest(rates: RateModel, t0: float, t1: float) -> tuple[dict[str, Any], int]:
+    best: dict[str, Any] = {}
+    ratio = -1.0
+    window = rates.profile.window_s
+    for scope in rates.scopes:
+        peak = scope.peak_per_s(window, t0, t1)
+        for kind in ("write", "read"):
+            limit = rates.limit_of(scope, kind)
+            r = peak[f"{kind}_offered"] / limit
+            if r > ratio:
+                ratio = r
+                best = {
+                    "scope": scope.label,
+                    "kind": kind,
+                    "offered_per_s": peak[f"{kind}_offered"],
+                    "accepted_per_s": peak[kind],
+                    "limit_per_s": limit,
+                    "ratio": r,
+                }
+    return best, len(rates.partitions) or 1
+
+
+def _summarise(
+    kind: str,
+    step: int | None,
+    results: list[Any],
+    rec: Recorder,
+    io: RankIO,
+    store: SimulatedStore,
+    world: SimWorld,
+    t0: float,
+    wall: float,
+    *,
+    probe: _Probe | None = None,
+    seeded: bool = False,
+    returned: dict[int, float] | None = None,
+) -> PhaseResult:
+    errors = [r for r in results if isinstance(r, BaseException)]
+    failed = 0
+    if errors:
+        err = errors[0]
+        if isinstance(err, CommitError) and err.failures:
+            failed = len(err.failures)
+        else:
+            failed = world.world_size
+        outcome = f"{type(err).__name__}: {str(err)[:300]}"
+        if is_slowdown(err):
+            outcome = "SlowDown surfaced: " + outcome
+    else:
+        outcome = "committed" if kind == "save" else "restored"
+    ranks = rec.ranks()
+    other = [c for r, c in ranks.items() if r not in (0, None)]
+    other_max: dict[str, int] = {}
+    for c in other:
+        for op, n in c.items():
+            other_max[op] = max(other_max.get(op, 0), n)
+    other_lists = sum(n for c in rec.ranks(phase="resolve").values() for op, n in c.items() if "list" in op)
+    other_lists -= sum(n for op, n in rec.ops(phase="resolve", rank=0).items() if "list" in op)
+    phases = sorted({ph for _, ph in rec.by})
+    by_phase = {ph: _counts(rec.ops(phase=ph)) for ph in phases}
+    slow_phase: dict[str, int] = {}
+    for (ph, _), n in rec.slowdowns.items():
+        slow_phase[ph] = slow_phase.get(ph, 0) + n
+    t1 = world.now
+    if returned:
+        end = max(returned.values())
+        if probe is not None and probe.retain_start is not None:
+            end = max([probe.retain_start, *(t for r, t in returned.items() if r != 0)])
+    else:
+        end = t1
+    hottest, partitions = _hottest(store.rates, t0, t1)
+    read_bytes = list(io.read_bytes.values()) or [0]
+    planned = list(io.planned_bytes.values()) or [0]
+    return PhaseResult(
+        kind=kind,
+        step=step,
+        ok=not errors,
+        outcome=outcome,
+        failed_ranks=failed,
+        seeded=seeded,
+        requests=_counts(rec.ops()),
+        requests_by_phase=by_phase,
+        rank0=_counts(ranks.get(0, {})),
+        other_ranks_max=dict(sorted(other_max.items())),
+        other_ranks_lists=other_lists,
+        data_lists=_counts(rec.data_lists),
+        slowdowns_injected=rec.injected,
+        slowdowns_absorbed=rec.absorbed,
+        slowdowns_gave_up=rec.surfaced,
+        slowdowns_by_phase=slow_phase,
+        gave_up_by_phase=rec.gave_up_by_phase(),
+        hottest=hottest,
+        partitions=partitions,
+        virtual_s=end - t0,
+        retention_s=(
+            probe.retain_end - probe.retain_start
+            if probe is not None and probe.retain_start is not None and probe.retain_end is not None
+            else None
+        ),
+        commit_thread_cpu_s=probe.commit_thread_cpu if probe else None,
+        commit_process_cpu_s=probe.commit_process_cpu if probe else None,
+        wall_s=wall,
+        bytes_written=sum(rec.bytes_written.values()),
+        bytes_read=sum(rec.bytes_read.values()),
+        rank_read_bytes_max=max(read_bytes),
+        rank_read_bytes_min=min(read_bytes),
+        rank_planned_bytes_max=max(planned),
+        planned_reads=sum(io.planned_reads.values()),
+        planned_read_bytes=sum(io.planned_bytes.values()),
+        threads=world.threads,
+    )
+
+
+def _save(
+    store: SimulatedStore, adapter: Adapter, options: ScaleOptions, step: int, start: float, *, seeded: bool
+) -> tuple[PhaseResult, float]:
+    store.reset()
+    adapter.reset()
+    world = SimWorld(options.world_size, threads=options.threads, network=options.network, start=start)
+    probe = _Probe()
+    returned: dict[int, float] = {}
+    lock = threading.Lock()
+    retention = RetentionPolicy(keep_last=options.keep_last) if options.keep_last is not None else None
+
+    def body(comm: SimComm) -> Any:
+        session = _InstrumentedSaveSession(store, comm, retention=retention)
+        session.probe = probe
+        try:
+            with clock.phase("save"):
+                manifest = session.save(step, lambda ticket: adapter.write(world, comm, store, ticket))
+            return manifest.step
+        finally:
+            with lock:
+                for r in world.hosted(comm):
+                    returned[r] = world.timelines[r].now
+
+    wall = time.perf_counter()
+    results = world.run(body)
+    wall = time.perf_counter() - wall
+    rec = store.reset()
+    io = adapter.reset()
+    result = _summarise(
+        "save",
+        step,
+        results,
+        rec,
+        io,
+        store,
+        world,
+        start,
+        wall,
+        probe=probe,
+        seeded=seeded,
+        returned=returned,
+    )
+    return result, world.now
+
+
+def _restore(
+    store: SimulatedStore, adapter: Adapter, options: ScaleOptions, start: float
+) -> tuple[PhaseResult, float]:
+    store.reset()
+    adapter.reset()
+    world = SimWorld(options.world_size, threads=options.threads, network=options.network, start=start)
+    reader = Reader(store)
+
+    def body(comm: SimComm) -> Any:
+        session = RestoreSession(store, comm)
+        with clock.phase("resolve"):
+            restored = session.restore(lambda m: adapter.stage(world, comm, reader, m))
+        return None if restored is None else restored.step
+
+    wall = time.perf_counter()
+    results = world.run(body)
+    wall = time.perf_counter() - wall
+    rec = store.reset()
+    io = adapter.reset()
+    return _summarise("restore", None, results, rec, io, store, world, start, wall), world.now
+
+
+def run_scenario(options: ScaleOptions, *, log: Any = None) -> ScenarioResult:
+    """Run the saves, the restore and the manifest measurement of ``options``."""
+    say = log or (lambda _msg: None)
+    contexts = _check_fixes(options)
+    started = time.perf_counter()
+    store = SimulatedStore(
+        IndexedMemoryStore("scale", retry=options.retry),
+        profile=options.profile,
+        network=options.network,
+        max_requests=options.max_requests,
+    )
+    adapter = Adapter(options)
+    saves: list[PhaseResult] = []
+    restore: PhaseResult | None = None
+    pacer: clock.Pacer | None = None
+    with contextlib.ExitStack() as stack:
+        # Cyclic GC over thousands of thread stacks costs ~25% of the run; collect once at the end.
+        if gc.isenabled():
+            gc.disable()
+            stack.callback(gc.enable)
+            stack.callback(gc.collect)
+        pacer = stack.enter_context(clock.virtual_time(lag=options.lag))
+        stack.enter_context(_charged_decode(options.memoize_manifest_decode))
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        t = 0.0
+        step = 0
+        for _ in range(options.saves):
+            step += 1
+            result, t = _save(store, adapter, options, step, t, seeded=False)
+            saves.append(result)
+            say(
+                f"  save step {step}: {result.outcome[:120]} ({result.total:,} requests, "
+                f"{result.slowdowns_injected:,} SlowDowns, {result.wall_s:.1f}s real)"
+            )
+            t += options.interval_s
+        latest = Reader(store.inner).latest()
+        if latest is None and options.seed_unthrottled:
+            step += 1
+            store.throttle = False
+            try:
+                result, t = _save(store, adapter, options, step, t, seeded=True)
+            finally:
+                store.throttle = True
+            saves.append(result)
+            say(f"  seeded step {step} with the rate limits off: {result.outcome[:120]}")
+            t += options.interval_s
+            latest = Reader(store.inner).latest()
+        if latest is not None:
+            try:
+                restore, t = _restore(store, adapter, options, t)
+            except SimulationBudgetExceeded as exc:  # pragma: no cover - guarded per request
+                say(f"  restore stopped: {exc}")
+            if restore is not None:
+                say(
+                    f"  restore: {restore.outcome[:120]} ({restore.total:,} requests, "
+                    f"{restore.slowdowns_injected:,} SlowDowns, {restore.wall_s:.1f}s real)"
+                )
+    unique = latest.total_size if latest is not None else 0
+    body = store.inner.get(latest.key) if latest is not None else b""
+    decode_s = encode_s = math.nan
+    if latest is not None:
+        decode_s = min(_timed(lambda: Manifest.decode(body, key=latest.key)) for _ in range(5))
+        decoded = Manifest.decode(body, key=latest.key)
+        encode_s = min(_timed(decoded.encode) for _ in range(5))
+    return ScenarioResult(
+        options=_options_dict(options),
+        saves=saves,
+        restore=restore,
+        unique_bytes=unique,
+        manifest_bytes=len(body),
+        manifest_shards=len(latest.shards) if latest is not None else 0,
+        manifest_decode_s=decode_s,
+        manifest_encode_s=encode_s,
+        wall_s=time.perf_counter() - started,
+        pace_waits=pacer.waits if pacer is not None else 0,
+        lag_violations=pacer.violations if pacer is not None else 0,
+    )
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _options_dict(options: ScaleOptions) -> dict[str, Any]:
+    d = asdict(options)
+    d["threads"] = options.threads
+    return d
