@@ -59,7 +59,7 @@ class Series:
 
 def paired_ratios(base: list[float], ours: list[float]) -> Series:
     """Speed ratios per run, ``base_time / our_time`` (> 1: objckpt faster)."""
-    return Series([b / o for b, o in zip(base, ours) if o > 0])
+    return Series([b / o for b, o in zip(base, ours, strict=True) if o > 0])
 
 
 # ------------------------------------------------------------------------------ machine

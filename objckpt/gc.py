@@ -273,8 +273,14 @@ def plan_gc(
         shared = [s for s in m.shards if s.key in live]
         plan.manifests.append(
             ManifestDeletion(
-                m.step, m.key, m.attempt, tuple(s.key for s in own), sum(s.size for s in own), m.timeline,
-                tuple(s.key for s in shared), sum(s.size for s in shared),
+                m.step,
+                m.key,
+                m.attempt,
+                tuple(s.key for s in own),
+                sum(s.size for s in own),
+                m.timeline,
+                tuple(s.key for s in shared),
+                sum(s.size for s in shared),
             )  # fmt: skip
         )
 

@@ -624,7 +624,9 @@ def _references(raw: Any, own: tuple[int, int], own_prefix: str) -> tuple[Refere
             raise Invalid(f"reference #{i}: {exc}") from None
         layout.validate_key_in_root(ref.key)
         if ref.key.startswith(own_prefix):
-            raise Invalid(f"reference {ref.key!r} lies in this checkpoint's own attempt: it is a shard, not a reference")
+            raise Invalid(
+                f"reference {ref.key!r} lies in this checkpoint's own attempt: it is a shard, not a reference"
+            )
         if ref.origin >= own:
             raise Invalid(f"reference {ref.key!r} names checkpoint {ref.origin}, not older than {own}")
         if ref.identity in seen:

@@ -191,8 +191,18 @@ def anything(value: Any) -> Any:
 COMMON_OPTIONS: tuple[Option, ...] = (
     Option("part_size", size, "16MiB", "bytes per multipart part and per parallel ranged read"),
     Option("max_in_flight", integer(1), 8, "parts uploaded (and ranges read) at once by one stream"),
-    Option("deadline", seconds, 120.0, "the retry time budget: seconds after a request's first try when no new try starts"),
-    Option("max_attempts", integer(1), 1000, "a safety cap on the tries of one request (never ends the time budget early by default)"),
+    Option(
+        "deadline",
+        seconds,
+        120.0,
+        "the retry time budget: seconds after a request's first try when no new try starts",
+    ),
+    Option(
+        "max_attempts",
+        integer(1),
+        1000,
+        "a safety cap on the tries of one request (never ends the time budget early by default)",
+    ),
     Option(
         "retry",
         instance_of(RetryPolicy),

@@ -450,7 +450,7 @@ class _Server(ThreadingHTTPServer):
     def _run_request(self, request: Any, client_address: Any) -> None:
         try:
             self.finish_request(request, client_address)
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass  # a broken client connection is expected here; never print tracebacks
         finally:
             self.shutdown_request(request)

@@ -89,7 +89,10 @@ def test_a_forged_reference_is_rejected_at_commit(store: Any) -> None:
     stray_key = layout.shard_key(10, "f" * 16, 0, "base.bin")
     meta = store.put(stray_key, BASE, mode=PutMode.CREATE)
     forged = [
-        (Reference(stray_key, meta.size, meta.version, good.crc32c, 0, 10, 0, "base.bin"), "did not commit it"),
+        (
+            Reference(stray_key, meta.size, meta.version, good.crc32c, 0, 10, 0, "base.bin"),
+            "did not commit it",
+        ),
         (Reference(good.key, good.size, good.version, "AAAAAA==", 0, 10, 0, "base.bin"), "CRC32C"),
         (Reference(good.key, good.size, good.version, good.crc32c, 0, 5, 0, "base.bin"), "is not shard"),
     ]

@@ -254,7 +254,9 @@ def write_report_section(path: str, name: str, script: str, body: str) -> None:
     except FileNotFoundError:
         text = "# objckpt reliability matrix\n\n"
     block = f"{_SECTION.format(name=name, script=script)}\n{body.rstrip()}\n{_END.format(name=name)}\n"
-    pattern = re.compile(rf"<!-- section:{re.escape(name)} .*?-->.*?<!-- /section:{re.escape(name)} -->\n?", re.S)
+    pattern = re.compile(
+        rf"<!-- section:{re.escape(name)} .*?-->.*?<!-- /section:{re.escape(name)} -->\n?", re.S
+    )
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text, count=1)
     else:

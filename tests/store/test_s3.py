@@ -576,7 +576,10 @@ def test_retried_complete_after_a_lost_response_succeeds(s3_store):
 
 
 def test_large_reads_fan_out_into_ranged_gets_pinned_to_one_etag(s3_backend):
-    uri = s3_backend.uri_for("t-par-" + os.urandom(4).hex()) + "&part_size=1MiB&min_part_size=1MiB&read_concurrency=3"
+    uri = (
+        s3_backend.uri_for("t-par-" + os.urandom(4).hex())
+        + "&part_size=1MiB&min_part_size=1MiB&read_concurrency=3"
+    )
     with open_store(uri) as store:
         data = os.urandom(5 * MiB + 3)
         meta = store.put("obj", data)
@@ -606,7 +609,10 @@ def test_large_reads_fan_out_into_ranged_gets_pinned_to_one_etag(s3_backend):
 
 def test_get_stream_resumes_after_a_read_error_mid_body(s3_backend):
     # part_size below the object's size: the body is streamed in read_chunk pieces, not read whole
-    uri = s3_backend.uri_for("t-resume-" + os.urandom(4).hex()) + "&read_concurrency=1&part_size=1MiB&min_part_size=1MiB"
+    uri = (
+        s3_backend.uri_for("t-resume-" + os.urandom(4).hex())
+        + "&read_concurrency=1&part_size=1MiB&min_part_size=1MiB"
+    )
     s3_store = open_store(uri)
     data = os.urandom(3 * MiB + 11)
     meta = s3_store.put("obj", data)

@@ -28,13 +28,10 @@ from objckpt import layout  # noqa: E402
 from objckpt._retry import RetryPolicy  # noqa: E402
 from objckpt.commit import Coordinator  # noqa: E402
 from objckpt.errors import (  # noqa: E402
-    ChecksumMismatchError,
     CommitConflict,
     CommitError,
     DistributedError,
-    IntegrityError,
     LoadRefusedError,
-    ManifestError,
     NoCheckpointError,
     PermissionDeniedError,
 )
@@ -109,7 +106,7 @@ def assert_state_equal(a: Any, b: Any, where: str = "") -> None:
             assert_state_equal(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_state_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, where

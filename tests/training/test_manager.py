@@ -49,7 +49,9 @@ def _step(state: dict, n: int = 1) -> None:
 
 
 def _same(a: dict, b: dict) -> None:
-    for (ka, va), (kb, vb) in zip(a["model"].state_dict().items(), b["model"].state_dict().items(), strict=True):
+    for (ka, va), (kb, vb) in zip(
+        a["model"].state_dict().items(), b["model"].state_dict().items(), strict=True
+    ):
         assert ka == kb and torch.equal(va, vb)
     oa, ob = a["optimizer"].state_dict(), b["optimizer"].state_dict()
     assert oa["param_groups"] == ob["param_groups"]

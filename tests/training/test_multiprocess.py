@@ -49,7 +49,7 @@ def _assert_same(a: object, b: object, path: str = "") -> None:
         return
     if isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{path}/{i}")
         return
     assert a == b, f"{path}: {a!r} != {b!r}"
