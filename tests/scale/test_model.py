@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from objckpt._retry import NO_RETRY, RetryPolicy
+from objckpt._retry import RetryPolicy
 from objckpt.errors import TransientError
 from objckpt.store.memory import MemoryStore
 from objckpt.store.wrappers import Fault, FaultInjectingStore
@@ -22,7 +22,7 @@ NO_LATENCY = NetworkModel(request_latency_s=0.0, list_latency_s=0.0, error_laten
 
 
 def _store(profile: StoreProfile, network: NetworkModel = NO_LATENCY, **options: object) -> SimulatedStore:
-    return SimulatedStore(MemoryStore("t", retry=NO_RETRY), profile=profile, network=network, **options)
+    return SimulatedStore(MemoryStore("t", retry=RetryPolicy(max_attempts=1)), profile=profile, network=network, **options)
 
 
 def test_a_partition_limit_of_n_per_second_accepts_exactly_n_per_second() -> None:
