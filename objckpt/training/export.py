@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from .. import layout
-from .._crc import Crc32c
+from .._crc import Crc32c, crc32c_of, encode_crc32c
 from ..coordination.roots import open_root
 from ..errors import (
     ChecksumMismatchError,
@@ -70,7 +70,7 @@ from ..errors import (
     NotFoundError,
     SerializationError,
 )
-from ..manifest import Manifest, ShardReceipt
+from ..manifest import Manifest, Reference, ShardReceipt
 from ..reader import Reader
 from ..store import Store
 from . import serialization
@@ -325,6 +325,16 @@ class _Piece:
     view: ViewRef | None = None
     crc32c: str | None = None
     what: str = ""
+    # A chunk of a version-3 (deduplicated) shard that cannot be routed byte by byte: it is
+    # gathered whole (at most one chunk, a few MiB), decoded (``codec``: compressed, ``decoded``
+    # bytes once decompressed; ``crc32c`` is then of the decoded bytes), cut to ``keep`` (the
+    # bytes of this tensor, when a view covers part of the chunk) and written, or handed to
+    # ``gather`` (a non-contiguous view assembled from its whole base tensor).
+    codec: str | None = None
+    decoded: int = 0
+    keep: tuple[int, int] | None = None
+    gather: _Gather | None = None
+    gather_at: int = 0
 
 
 @dataclass
@@ -335,6 +345,8 @@ class _Source:
     whole: bool  # streamed whole (CRC32C of the object) or read by ranges (per-item CRC32C)
     header: bytes = b""  # whole: the container prefix + header read up front, checked again
     pieces: list[_Piece] = field(default_factory=list)
+    trailer_at: int = 0  # whole, version 3: where the trailer header read up front starts...
+    trailer: bytes = b""  # ...and its bytes (header + footer), checked again against the stream
 
     def spans(self, gap: int, chunk: int) -> list[tuple[int, int]]:
         """Byte ranges to GET (ranged sources): pieces closer than ``gap`` merged, split into
@@ -364,6 +376,11 @@ class _Container:
     arrays: list[dict[str, Any]]
     placeholders: list[Any]
     tree: Any
+    # version 3: every array's chunks (``serialization._Local`` / ``_Remote``), and the header
+    # offset (the trailer from there to the end is checked again against the verified stream)
+    chunks: dict[int, list[Any]] | None = None
+    trailer_at: int = 0
+    trailer: bytes = b""
 
 
 class ExportPlan:
@@ -560,6 +577,7 @@ class ExportPlan:
             reader = Reader(self.store)
             pos = 0
             head = bytearray()
+            tail = bytearray()
             for chunk in reader.open_shard(source.receipt):
                 view = memoryview(chunk).cast("B")
                 if progress is not None:
@@ -573,8 +591,16 @@ class ExportPlan:
                             key=key,
                             location=self.store.location,
                         )
+                if source.trailer and pos + view.nbytes > source.trailer_at:
+                    tail += view[max(0, source.trailer_at - pos) :]
                 router.feed(pos, view)
                 pos += view.nbytes
+            if source.trailer and bytes(tail) != source.trailer:
+                raise ChecksumMismatchError(
+                    "the container header changed between the planning read and the verified stream",
+                    key=key,
+                    location=self.store.location,
+                )
         else:
             for a, b in source.spans(_COALESCE_GAP, self.chunk_size):
                 try:
@@ -615,23 +641,55 @@ def _remove(path: str) -> None:
         pass
 
 
+class _Gather:
+    """A non-contiguous view of a version-3 tensor: its whole base tensor, assembled from the
+    chunks that hold it (each piece hands over its bytes), then cut and written once complete."""
+
+    def __init__(self, piece_template: _Piece, nbytes: int) -> None:
+        self.template = piece_template  # tensor and view of the output
+        self.buffer = bytearray(nbytes)
+        self.missing = nbytes
+
+    def put(self, at: int, data: memoryview, write: Callable[[int, memoryview], None], key: str) -> None:
+        self.buffer[at : at + data.nbytes] = data
+        self.missing -= data.nbytes
+        if self.missing == 0:
+            _write_view(self.template, self.buffer, write, key)
+            self.buffer = bytearray()
+
+
+def _write_view(p: _Piece, buffer: bytearray, write: Callable[[int, memoryview], None], key: str) -> None:
+    assert p.view is not None
+    base = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+    try:
+        view = serialization.make_view(base, p.view)
+    except SerializationError as exc:
+        raise SerializationError(f"{key}: {p.what}: {exc}") from exc
+    flat = view.contiguous().to(p.tensor.out_dtype).reshape(-1)
+    write(p.tensor.offset, flat.view(torch.uint8).numpy().data.cast("B"))
+
+
 class _Sink:
     """Turns one piece's source bytes (arriving in order) into writes at their output offsets,
-    casting whole elements (a partial element waits for the next chunk)."""
+    casting whole elements (a partial element waits for the next chunk). A piece that must be
+    seen whole first (a view gathered from its base, a compressed or partly used chunk) is
+    buffered: at most one base tensor (views) or one chunk."""
 
     def __init__(self, piece: _Piece, write: Callable[[int, memoryview], None]) -> None:
         self.piece = piece
         self.write = write
         t = piece.tensor
-        self.cast = t.out_dtype != t.dtype and piece.view is None
+        self.cast = t.out_dtype != t.dtype and piece.view is None and piece.gather is None
         self.in_item = t.dtype.itemsize
         self.out_item = t.out_dtype.itemsize
         self.run_out = piece.run * self.out_item
         self.carry = b""
         self.emitted = 0
         self.fed = 0
-        self.crc = Crc32c() if piece.crc32c is not None else None
-        self.buffer = bytearray(piece.length) if piece.view is not None else None
+        # a compressed chunk's CRC32C is of its decoded bytes (checked in finish)
+        self.crc = Crc32c() if piece.crc32c is not None and piece.codec is None else None
+        whole = piece.view is not None or piece.codec is not None or piece.keep is not None
+        self.buffer = bytearray(piece.length) if whole or piece.gather is not None else None
 
     def feed(self, data: memoryview) -> None:
         if self.crc is not None:
@@ -641,6 +699,9 @@ class _Sink:
             self.fed += data.nbytes
             return
         self.fed += data.nbytes
+        self._out(data)
+
+    def _out(self, data: memoryview) -> None:
         if not self.cast:
             self._emit(data)
             return
@@ -681,20 +742,33 @@ class _Sink:
                 key=key,
                 location=location,
             )
-        if self.buffer is not None:
-            assert p.view is not None
-            base = (
-                torch.frombuffer(self.buffer, dtype=torch.uint8)
-                if p.length
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            try:
-                view = serialization.make_view(base, p.view)
-            except SerializationError as exc:
-                raise SerializationError(f"{key}: {p.what}: {exc}") from exc
-            flat = view.contiguous().to(p.tensor.out_dtype).reshape(-1)
-            self.write(p.tensor.offset, flat.view(torch.uint8).numpy().data.cast("B"))
-            self.buffer = None
+        if self.buffer is None:
+            return
+        data, self.buffer = self.buffer, None
+        if p.codec is not None:
+            from .codec import decompress
+
+            out = bytearray(p.decoded)
+            decompress(data, p.codec, p.decoded, memoryview(out))
+            if p.crc32c is not None and encode_crc32c(crc32c_of(out)) != p.crc32c:
+                raise ChecksumMismatchError(
+                    f"{p.what}: compressed chunk at [{p.start}, {p.start + p.length}) fails its CRC32C",
+                    key=key,
+                    location=location,
+                )
+            data = out
+        if p.view is not None and p.gather is None:
+            _write_view(p, data, self.write, key)
+            return
+        view = memoryview(data)
+        if p.keep is not None:
+            view = view[p.keep[0] : p.keep[1]]
+        if p.gather is not None:
+            p.gather.put(p.gather_at, view, self.write, key)
+            return
+        self._out(view)
+        if self.carry:
+            raise SerializationError(f"{key}: {p.what}: a chunk ends inside an element")
 
 
 class _Router:
@@ -763,8 +837,10 @@ def plan_export(
             raise NoCheckpointError(f"no valid committed checkpoint under {store.location}")
     else:
         manifest = reader.load(step, timeline)
+    from .dedup import resolver_for
     from .shards import RANK_SHARD, REPLICATED_SHARD, STATE_LAYOUT
 
+    resolver = resolver_for(store, manifest)  # the sizes of what a version-3 shard may reference
     topo = manifest.topology
     if topo.get("layout") == STATE_LAYOUT:
         layout_name = LAYOUT_MANAGER
@@ -775,7 +851,7 @@ def plan_export(
             receipts = sorted(
                 (s for s in manifest.shards if s.name == REPLICATED_SHARD), key=lambda s: s.rank
             )
-            containers = [_read_container(store, r) for r in receipts]
+            containers = [_read_container(store, r, resolver) for r in receipts]
             for c in containers:
                 if not isinstance(c.tree, Mapping):
                     raise ManifestError(f"{c.receipt.key}: not a replicated shard", key=c.receipt.key)
@@ -802,7 +878,7 @@ def plan_export(
                 receipt = manifest.shard(rank, RANK_SHARD)
             except KeyError as exc:
                 raise ConfigError(f"step {manifest.label} has no per-rank shard of rank {rank}") from exc
-            containers = [_read_container(store, receipt)]
+            containers = [_read_container(store, receipt, resolver)]
             root = containers[0].tree
             items = root.get("items") if isinstance(root, Mapping) else None
             if not isinstance(items, Mapping) or entry not in items:
@@ -810,7 +886,9 @@ def plan_export(
             raw_table = root.get("tensors", [])
             table = dict(enumerate(raw_table)) if isinstance(raw_table, list) else {}
             tree = items[entry]
-        tensors, sources, skipped = _plan_containers(containers, tree, table, cast, strip_prefix, add_prefix)
+        tensors, sources, skipped = _plan_containers(
+            containers, tree, table, cast, strip_prefix, add_prefix, manifest.references
+        )
     elif isinstance(manifest.metadata.get("dcp"), Mapping):
         layout_name = LAYOUT_DCP
         tensors, sources, skipped, entry = _plan_dcp(
@@ -819,7 +897,7 @@ def plan_export(
     elif any(s.name == _LIGHTNING_SHARD for s in manifest.shards):
         layout_name = LAYOUT_LIGHTNING
         receipt = next(s for s in manifest.shards if s.name == _LIGHTNING_SHARD)
-        container = _read_container(store, receipt)
+        container = _read_container(store, receipt, resolver)
         names = (
             [k for k, v in container.tree.items() if isinstance(v, Mapping)]
             if isinstance(container.tree, Mapping)
@@ -860,7 +938,9 @@ def _choose_entry(
     return entry
 
 
-def _read_container(store: Store, receipt: ShardReceipt) -> _Container:
+def _read_container(
+    store: Store, receipt: ShardReceipt, resolver: serialization.Resolver | None = None
+) -> _Container:
     """The header of an objckpt container shard, by ranged reads (checked again against the
     verified stream when the shard is read)."""
     layout.validate_key_in_root(receipt.key)
@@ -874,6 +954,8 @@ def _read_container(store: Store, receipt: ShardReceipt) -> _Container:
         if len(raw) != header_len:
             raise serialization._fail(f"header ended after {len(raw)} of {header_len} bytes")
         header = serialization._parse_header(raw)
+        if header.get("version") == serialization.CHUNKED_FORMAT_VERSION:
+            return _read_chunked_container(store, receipt, prefix + raw, resolver)
         data_start = serialization._align(_PREFIX.size + header_len)
         data_size = header["data_size"]
         if not isinstance(data_size, int) or data_start + data_size != receipt.size:
@@ -882,9 +964,60 @@ def _read_container(store: Store, receipt: ShardReceipt) -> _Container:
             )
         arrays, placeholders = _placeholders(header["arrays"], data_size)
         tree = serialization._Decoder(placeholders, header["version"]).node(header["tree"], 0)
-    except SerializationError as exc:
+    except (SerializationError, ChecksumMismatchError) as exc:
+        # Say what is really wrong: bytes that fail the object's CRC32C (read to its end, as a
+        # restore would), or, when they pass it, the malformed header itself.
+        for _ in Reader(store).open_shard(receipt):
+            pass
+        if isinstance(exc, ChecksumMismatchError):
+            raise
         raise SerializationError(f"{key}: {exc}") from exc
     return _Container(receipt, prefix + raw, data_start, arrays, placeholders, tree)
+
+
+def _read_chunked_container(
+    store: Store, receipt: ShardReceipt, stub: bytes, resolver: serialization.Resolver | None
+) -> _Container:
+    """A version-3 container (written with deduplication or compression): its trailer header by
+    ranged reads (checked against the footer's CRC32C), every chunk checked against the receipts
+    (this shard's size, the referenced objects' sizes) before anything is planned."""
+    key = receipt.key
+
+    def read_range(start: int, end: int) -> bytes:
+        return store.get(key, byte_range=(start, end))
+
+    got = serialization.read_header(read_range, receipt.size)
+    if got is None:
+        raise serialization._fail("version-3 shard without a footer")
+    header, header_at = got
+    data_start = len(stub)
+    _, local, remote = serialization._plan_chunked(header, data_start, header_at, resolver)
+    placeholders: list[Any] = []
+    for i, e in enumerate(header["arrays"]):
+        kind, dt, shape, _ = serialization._check_entry(i, e)
+        if kind == "torch":
+            placeholders.append(torch.empty(shape, dtype=dt, device="meta"))
+        else:  # numpy arrays are never exported; a 0-byte stand-in of their dtype
+            np = serialization.np
+            placeholders.append(np.zeros((), dtype=dt) if not shape else np.empty(0, dtype=dt))
+    chunks: dict[int, list[Any]] = {}
+    for c in [*local, *remote]:
+        chunks.setdefault(c.array, []).append(c)
+    for members in chunks.values():
+        members.sort(key=lambda c: c.offset if isinstance(c, serialization._Local) else c.at)
+    trailer = read_range(header_at, receipt.size)
+    tree = serialization._Decoder(placeholders, serialization.CHUNKED_FORMAT_VERSION).node(header["tree"], 0)
+    return _Container(
+        receipt,
+        stub,
+        data_start,
+        header["arrays"],
+        placeholders,
+        tree,
+        chunks=chunks,
+        trailer_at=header_at,
+        trailer=trailer,
+    )
 
 
 def _placeholders(entries: Any, data_size: int) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -980,9 +1113,14 @@ def _plan_containers(
     cast: torch.dtype | None,
     strip: str | None,
     add: str | None,
+    references: Sequence[Reference] = (),
 ) -> tuple[list[_Tensor], list[_Source], list[str]]:
     where = {id(p): (ci, ai) for ci, c in enumerate(containers) for ai, p in enumerate(c.placeholders)}
-    sources = [_Source(c.receipt, whole=True, header=c.raw) for c in containers]
+    sources = [
+        _Source(c.receipt, whole=True, header=c.raw, trailer_at=c.trailer_at, trailer=c.trailer)
+        for c in containers
+    ]
+    referenced = _ReferencedSources(references)
     leaves = list(_flatten(tree))
     names = _rename([n for n, v in leaves if isinstance(v, (torch.Tensor, TensorRef, ViewRef))], strip, add)
     tensors: list[_Tensor] = []
@@ -1000,8 +1138,13 @@ def _plan_containers(
         ci, ai = loc
         c = containers[ci]
         array = c.arrays[ai]
-        start = c.data_start + int(array["offset"])
         out_name = names[name]
+        if c.chunks is not None:  # version 3: the tensor's bytes are chunks, here or referenced
+            tensors.append(
+                _plan_chunked_tensor(c, ci, ai, base, ref, name, out_name, cast, sources, referenced)
+            )
+            continue
+        start = c.data_start + int(array["offset"])
         if ref is None:
             t = _Tensor(out_name, base.dtype, _out_dtype(name, base.dtype, cast), tuple(base.shape))
             piece = _Piece(start, int(array["nbytes"]), t, run=t.numel, what=f"tensor {name!r}")
@@ -1019,7 +1162,97 @@ def _plan_containers(
         sources[ci].pieces.append(piece)
     # the first container is always read: it holds the structure (rank 0's replicated.bin, or
     # the only container), which its verified stream must confirm
-    return tensors, [s for s in sources if s.pieces or s is sources[0]], skipped
+    kept = [s for s in sources if s.pieces or s is sources[0]]
+    return tensors, kept + referenced.sources(), skipped
+
+
+class _ReferencedSources:
+    """The objects a version-3 checkpoint references (its manifest's ``references``), each read
+    by ranges: only the chunks an exported tensor needs, each checked against its own CRC32C."""
+
+    def __init__(self, references: Sequence[Reference]) -> None:
+        self.by_identity = {r.identity: r for r in references}
+        self._sources: dict[Any, _Source] = {}
+
+    def source(self, identity: Any, what: str) -> _Source:
+        got = self._sources.get(identity)
+        if got is None:
+            ref = self.by_identity.get(identity)
+            if ref is None:  # checked when the header was read; kept as a guard
+                raise ManifestError(f"{what} references {identity}, which the manifest does not reference")
+            receipt = ShardReceipt(ref.key, ref.size, ref.version, ref.crc32c, ref.rank, ref.name)
+            got = self._sources[identity] = _Source(receipt, whole=False)
+        return got
+
+    def sources(self) -> list[_Source]:
+        return list(self._sources.values())
+
+
+def _plan_chunked_tensor(
+    c: _Container,
+    ci: int,
+    ai: int,
+    base: torch.Tensor,
+    ref: ViewRef | None,
+    name: str,
+    out_name: str,
+    cast: torch.dtype | None,
+    sources: list[_Source],
+    referenced: _ReferencedSources,
+) -> _Tensor:
+    """The pieces of one tensor of a version-3 container: for every chunk of its array that
+    holds some of its bytes, a piece of this shard's stream (a local chunk) or of a referenced
+    object's ranged reads (a reused chunk, checked against its CRC32C)."""
+    what = f"tensor {name!r}"
+    dtype = base.dtype if ref is None else ref.dtype
+    shape = tuple(base.shape) if ref is None else tuple(ref.shape)
+    t = _Tensor(out_name, dtype, _out_dtype(name, dtype, cast), shape)
+    nbytes = int(c.arrays[ai]["nbytes"])
+    gather: _Gather | None = None
+    if ref is None:
+        lo, hi = 0, nbytes
+    elif _contiguous(ref.shape, ref.stride):
+        lo, hi = ref.offset, ref.offset + t.numel * ref.dtype.itemsize
+        if hi > nbytes:
+            raise SerializationError(f"{c.receipt.key}: view {name!r} reaches past its tensor")
+    else:  # gathered from the whole base tensor (at most one tensor in memory)
+        lo, hi = 0, nbytes
+        gather = _Gather(_Piece(0, nbytes, t, view=ref, what=what), nbytes)
+    item = dtype.itemsize
+    assert c.chunks is not None
+    first: tuple[int, int] | None = None
+    for chunk in c.chunks.get(ai, []):
+        local = isinstance(chunk, serialization._Local)
+        at = chunk.offset if local else chunk.at  # where the chunk's bytes lie in the array
+        a, b = max(lo, at), min(hi, at + chunk.length)
+        if a >= b:
+            continue
+        if gather is None and ((a - lo) % item or (b - a) % item):
+            raise SerializationError(f"{c.receipt.key}: a chunk of {what} ends inside an element")
+        whole = chunk.codec is not None or not local
+        piece = _Piece(
+            (chunk.at if local else chunk.offset) + (0 if whole else a - at),
+            chunk.stored if whole else b - a,
+            t,
+            run=(b - a) // item,
+            base=(a - lo) // item,
+            crc32c=None if local else chunk.crc,
+            what=what,
+            codec=chunk.codec,
+            decoded=chunk.length,
+            keep=(a - at, b - at) if whole and (a, b) != (at, at + chunk.length) else None,
+            gather=gather,
+            gather_at=a - lo,
+        )
+        if chunk.codec is not None and piece.keep is None:
+            piece.keep = (0, chunk.length)  # decoded whole, all of it kept
+        if local:
+            sources[ci].pieces.append(piece)
+            first = first or (ci, piece.start)
+        else:
+            referenced.source(chunk.identity, what).pieces.append(piece)
+    t.order = first or (ci, c.receipt.size)
+    return t
 
 
 def _plan_dcp(
