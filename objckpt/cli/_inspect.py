@@ -71,6 +71,17 @@ def _state_line(state: dict[str, Any], now: datetime) -> str:
     return "; ".join(parts)
 
 
+def _usage_line(usage: Any) -> str:
+    line = f"{human_bytes(usage.written_bytes)} written, {human_bytes(usage.logical_bytes)} logical"
+    if usage.referenced_objects:
+        bound = "" if usage.exact else " at most"
+        line += (
+            f" ({human_bytes(usage.referenced_bytes)}{bound} reused from {usage.referenced_objects} "
+            f"object(s) of earlier checkpoints, {usage.written_fraction:.1%} of it written by this save)"
+        )
+    return line
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from ..reader import Reader
 
@@ -88,8 +99,18 @@ def cmd_show(args: argparse.Namespace) -> int:
             note_skipped(res)
     view = RootView.read(reader, head=None if res is None else res.head, reasons=True)
     state = checkpoint_state(view, m)
+    from ..usage import checkpoint_usage
+
+    usage = checkpoint_usage(store, m)  # written vs logical bytes (deduplicated checkpoints)
     if args.json:
         doc = {**_manifest_json(m, where, shards=args.shards), **state}
+        doc["usage"] = {
+            "written_bytes": usage.written_bytes,
+            "referenced_bytes": usage.referenced_bytes,
+            "logical_bytes": usage.logical_bytes,
+            "referenced_objects": usage.referenced_objects,
+            "exact": usage.exact,
+        }
         if res is not None:
             doc["skipped"] = [s.to_dict() for s in res.skipped]
             doc["skipped_quarantined"] = [s.to_dict() for s in res.quarantined]
@@ -121,6 +142,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("software", ", ".join(f"{k} {v}" for k, v in sorted(software.items())) or "-"),
         ("progress", json.dumps(m.progress, sort_keys=True) if m.progress else "-"),
         ("shards", f"{len(m.shards)} ({human_bytes(m.total_size)}, {m.total_size} bytes)"),
+        ("bytes", _usage_line(usage)),
         ("checksum", f"sha256:{m.checksum}"),
     ]
     if m.metadata:

@@ -19,7 +19,9 @@ branched from (a root with timeline 0 alone prints no tree)::
 Marks: ``<- LATEST`` (the newest valid checkpoint of the head's line), ``(LATEST pointer)``
 (the pointer names it but it is not the newest valid one), ``DAMAGED: why`` (passed over while
 resolving latest), ``INVALID: why`` (the manifest does not validate), ``QUARANTINED[: reason]``,
-``(abandoned AGE ago)`` (off the head's line), ``base of timeline N``.
+``(abandoned AGE ago)`` (off the head's line), ``base of timeline N``, ``(+SIZE reused)`` (a
+deduplicated step: ``size`` is what it wrote itself, SIZE what it references of its ancestors'
+objects, from the manifest: an upper bound; ``show`` gives the exact figure).
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def checkpoint_rows(reader: Any, view: RootView, res: Resolution, now: datetime)
             attempt=m.attempt,
             world_size=m.world_size,
             shards=len(m.shards),
-            bytes=m.total_size,
+            bytes=m.total_size,  # what this step wrote (its own shards)
+            reused_bytes=m.referenced_size,  # ancestors' objects it references (upper bound)
+            logical_bytes=m.total_size + m.referenced_size,
             created_at=m.created_at,
             age_seconds=age(m.created_at, now)[0],
             parent=m.parent,
@@ -192,6 +196,8 @@ def _marks(r: dict[str, Any], now: datetime) -> str:
         marks.append("(abandoned)" if when == "-" else f"(abandoned {when})")
     if r["base_of"]:
         marks.append(f"base of timeline {', '.join(map(str, r['base_of']))}")
+    if r.get("reused_bytes"):  # a deduplicated step: "size" is what it added
+        marks.append(f"(+{human_bytes(r['reused_bytes'])} reused)")
     if r["latest"]:
         marks.append("<- LATEST")
     elif r["pointer"]:
