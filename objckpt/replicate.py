@@ -47,7 +47,7 @@ from .reader import Reader
 from .store.base import Store
 from .writer import ShardWriter
 
-__all__ = ["ReplicationResult", "replicate", "replicate_all", "same_checkpoint"]
+__all__ = ["ReplicationResult", "copy_checkpoint", "replicate", "replicate_all", "same_checkpoint"]
 
 Progress = Callable[[int], None]
 
@@ -138,8 +138,62 @@ def replicate(
     existing = _existing(dst, manifest.step)
     if existing is not None:
         return _accept_existing(existing, manifest, dst_store, on_exists)
+    after = _timeline0_parent(dst, manifest) if manifest.references else None
+    provenance = {
+        "location": src_store.location,
+        "step": manifest.step,
+        "attempt": manifest.attempt,
+        "checksum": manifest.checksum,
+    }
+    try:
+        return copy_checkpoint(
+            src_store, manifest, dst_store, after=after, provenance=provenance, progress=progress
+        )
+    except CommitConflict:
+        # Someone committed this step meanwhile (e.g. a concurrent copy of the same source):
+        # fine if it is the same content. Our shards stay for GC: we cannot tell whether a
+        # lost-response commit of ours references them.
+        existing = _existing(dst, manifest.step)
+        if existing is None:
+            raise
+        return _accept_existing(existing, manifest, dst_store, on_exists)
 
-    after, references = _references_at(dst, manifest, dst_store)
+
+def copy_checkpoint(
+    src_store: Store,
+    manifest: Manifest,
+    dst_store: Store,
+    *,
+    timeline: int = 0,
+    after: tuple[int, int] | None = None,
+    provenance: dict[str, Any],
+    progress: Progress | None = None,
+) -> Manifest:
+    """Re-commit ``manifest`` (committed on ``src_store``) on ``dst_store`` at ``timeline``,
+    continuing from the destination's checkpoint ``after`` (``None``: the coordinator's own
+    choice of parent): the one copy procedure behind :func:`replicate` (``objckpt cp``) and the
+    background mirror (:mod:`objckpt.coordination.mirror`).
+
+    Every shard is streamed from the source (size and CRC32C verified at the end of its stream)
+    into a :class:`ShardWriter` under a fresh attempt, the receipts compared, and the
+    destination's coordinator checks the objects and commits; the references of a deduplicated
+    checkpoint become the destination's references to the same identities, which the
+    destination's parent ``after`` must hold or reference. ``provenance`` is recorded as the
+    manifest's ``metadata.replicated_from``.
+
+    Atomicity: the destination gains the checkpoint exactly when its manifest is written; a
+    failure before that leaves only the fresh attempt's shards (deleted best-effort here, else
+    collected by GC after its grace period).
+
+    Raises:
+        NoCheckpointError: the checkpoint reuses objects that the destination's parent neither
+            holds nor references (copy its ancestors first); nothing is written.
+        ChecksumMismatchError: a source shard does not match its receipt (nothing committed).
+        CommitConflict, CommitError: from the destination's commit.
+        StoreError subclasses: a permanent store error on either side.
+    """
+    references = _references_at(Reader(dst_store), manifest, dst_store, after)
+    src = Reader(src_store)
     attempt = layout.new_attempt_id()
     writers: dict[int, ShardWriter] = {}
     try:
@@ -155,53 +209,48 @@ def replicate(
         # Nothing references this fresh attempt yet, so removing its shards cannot hurt anyone.
         _discard(dst_store, writers.values())
         raise
-
     receipts: dict[int, list[ShardReceipt]] = {r: [] for r in range(manifest.world_size)}
     for rank, writer in writers.items():
         receipts[rank] = writer.receipts
     metadata: dict[str, Any] = dict(manifest.metadata)
-    metadata["replicated_from"] = {
-        "location": src_store.location,
-        "step": manifest.step,
-        "attempt": manifest.attempt,
-        "checksum": manifest.checksum,
-    }
-    try:
-        return Coordinator(dst_store, world_size=manifest.world_size).commit(
-            step=manifest.step,
-            attempt=attempt,
-            receipts=receipts,
-            progress=manifest.progress,
-            run=manifest.run,
-            topology=manifest.topology,
-            metadata=metadata,
-            after=after,
-            references=references,
-        )
-    except CommitConflict:
-        # Someone committed this step meanwhile (e.g. a concurrent copy of the same source):
-        # fine if it is the same content. Our shards stay for GC: we cannot tell whether a
-        # lost-response commit of ours references them.
-        existing = _existing(dst, manifest.step)
-        if existing is None:
-            raise
-        return _accept_existing(existing, manifest, dst_store, on_exists)
+    metadata["replicated_from"] = dict(provenance)
+    return Coordinator(dst_store, world_size=manifest.world_size).commit(
+        step=manifest.step,
+        attempt=attempt,
+        receipts=receipts,
+        progress=manifest.progress,
+        run=manifest.run,
+        topology=manifest.topology,
+        metadata=metadata,
+        timeline=timeline,
+        after=after,
+        references=references,
+    )
+
+
+def _timeline0_parent(dst: Reader, manifest: Manifest) -> tuple[int, int] | None:
+    """The destination's newest timeline-0 checkpoint below ``manifest``'s step (``cp`` commits
+    every copy on timeline 0)."""
+    below = [ref for ref in dst.checkpoints() if ref[0] == 0 and ref[1] < manifest.step]
+    return max(below) if below else None
 
 
 def _references_at(
-    dst: Reader, manifest: Manifest, dst_store: Store
-) -> tuple[tuple[int, int] | None, dict[int, list[Reference]]]:
-    """The destination's parent of the copy and, per rank, the destination's references for
-    every object ``manifest`` reuses (the same identities, the destination's keys).
+    dst: Reader, manifest: Manifest, dst_store: Store, parent_ref: tuple[int, int] | None
+) -> dict[int, list[Reference]]:
+    """Per rank, the destination's references for every object ``manifest`` reuses: the same
+    identities, the destination's keys, as the destination's parent ``parent_ref`` holds or
+    references them. The identities are the source's (the copied shards name them in their
+    headers), so each must name a checkpoint the destination holds under the same
+    ``(timeline, step)``.
 
     Raises:
         NoCheckpointError: the destination's parent does not hold or reference one of them
-            (copy the ancestors first), or a reference is on a timeline other than 0.
+            (copy the ancestors first).
     """
     if not manifest.references:
-        return None, {}
-    below = [ref for ref in dst.checkpoints() if ref[0] == 0 and ref[1] < manifest.step]
-    parent = dst.fetch(layout.manifest_key(max(below)[1], 0)) if below else None
+        return {}
+    parent = dst.fetch(layout.manifest_key(parent_ref[1], parent_ref[0])) if parent_ref is not None else None
     vouched: dict[tuple[int, int, int, str], Reference] = {}
     if parent is not None:
         for s in parent.shards:
@@ -212,7 +261,7 @@ def _references_at(
     missing: list[str] = []
     for ref in manifest.references:
         there = vouched.get(ref.identity)
-        if ref.origin_timeline != 0 or there is None or (there.size, there.crc32c) != (ref.size, ref.crc32c):
+        if there is None or (there.size, there.crc32c) != (ref.size, ref.crc32c):
             missing.append(f"{ref.name} of rank {ref.rank} committed by step {ref.origin_step}")
             continue
         out.setdefault(ref.rank, []).append(there)
@@ -223,7 +272,7 @@ def _references_at(
             f"({'; '.join(missing)}): copy its ancestors first (replicate_all, or `objckpt cp` of the "
             "whole run root), oldest first"
         )
-    return (parent.ref if parent is not None else None), out
+    return out
 
 
 def _accept_existing(

@@ -29,9 +29,12 @@ checkpoint), else on a new timeline of the mirror claimed from the newest copy o
 Reading: :class:`~objckpt.coordination.restore.RestoreSession` takes ``mirror=`` and consults it
 on rank 0 only when the primary cannot give a checkpoint (see that module).
 
-Not supported yet: a checkpoint that *references* objects of its ancestors (deduplication) is
-not mirrored (its replication fails, loudly); :func:`objckpt.replicate.replicate` does not carry
-references either.
+Deduplicated checkpoints (references to ancestors' objects) are mirrored by
+:func:`objckpt.replicate.copy_checkpoint`, the copy procedure ``objckpt cp`` uses: only the
+checkpoint's own shards are copied, its references become the mirror's references to the copies
+of those objects, which the mirror's copy of the parent must hold or reference. When it does not
+(the parent was skipped under ``"latest"``, or the mirror was added late), that replication fails
+loudly and is counted, and the mirror catches up with the next checkpoint it can place.
 """
 
 from __future__ import annotations
@@ -44,16 +47,15 @@ from datetime import timedelta
 from typing import Any
 
 from .. import layout
-from ..commit import Coordinator
-from ..errors import ChecksumMismatchError, CommitError, IntegrityError, NotSupportedError
+from ..errors import CommitError, IntegrityError
 from ..gc import DEFAULT_GRACE_PERIOD, RetentionPolicy, retain
 from ..history import History
-from ..manifest import Manifest, ShardReceipt
+from ..manifest import Manifest
 from ..metrics import CheckpointMetrics
 from ..reader import Reader
+from ..replicate import copy_checkpoint
 from ..store.base import Store
 from ..timelines import claim_timeline
-from ..writer import ShardWriter
 from .save import SaveSession
 
 __all__ = [
@@ -109,81 +111,28 @@ def mirror_checkpoint(
     swept by GC after its grace period) and the mirror's previous checkpoints untouched.
 
     Raises:
-        NotSupportedError: the checkpoint references objects of its ancestors (deduplication).
+        NoCheckpointError: the checkpoint reuses objects of its ancestors (deduplication) that
+            the mirror's copy of its parent neither holds nor references (the parent was not
+            mirrored: a skipped step under ``"latest"``, or a mirror added late); the next
+            checkpoint that the mirror can place tries again.
         ChecksumMismatchError: a primary shard does not match its receipt (nothing committed).
         CommitError: the mirror's commit checks failed, or no place on the mirror's lines fits.
         StoreError: either store failed past its retry budget.
     """
-    if manifest.references:
-        raise NotSupportedError(
-            f"checkpoint step {manifest.label} references {len(manifest.references)} object(s) of its "
-            "ancestors (deduplication); mirroring such checkpoints is not supported yet",
-            location=mirror.location,
-        )
     timeline, after, existing = _placement(primary, manifest, mirror)
     if existing is not None:
         return existing, False
-    src = Reader(primary)
-    attempt = layout.new_attempt_id()
-    writers: dict[int, ShardWriter] = {}
-    try:
-        for receipt in manifest.shards:
-            writer = writers.get(receipt.rank)
-            if writer is None:
-                writer = writers[receipt.rank] = ShardWriter(
-                    mirror, step=manifest.step, attempt=attempt, rank=receipt.rank
-                )
-            chunks = src.open_shard(receipt)  # verified against the receipt at its end
-            copied = writer.write(receipt.name, _counting(chunks, progress))
-            if (copied.size, copied.crc32c) != (receipt.size, receipt.crc32c):
-                raise ChecksumMismatchError(
-                    f"copy of {receipt.key} is {copied.size} bytes / CRC32C {copied.crc32c}, the "
-                    f"primary's receipt says {receipt.size} / {receipt.crc32c}",
-                    key=copied.key,
-                    location=mirror.location,
-                )
-    except BaseException:
-        _discard(mirror, writers.values())
-        raise
-    receipts: dict[int, Sequence[ShardReceipt]] = {r: [] for r in range(manifest.world_size)}
-    for rank, writer in writers.items():
-        receipts[rank] = writer.receipts
-    metadata: dict[str, Any] = dict(manifest.metadata)
-    metadata[REPLICATED_FROM] = {
+    provenance = {
         "location": primary.location,
         "timeline": manifest.timeline,
         "step": manifest.step,
         "attempt": manifest.attempt,
         "checksum": manifest.checksum,
     }
-    committed = Coordinator(mirror, world_size=manifest.world_size).commit(
-        manifest.step,
-        attempt,
-        receipts,
-        progress=manifest.progress,
-        run=manifest.run,
-        topology=manifest.topology,
-        metadata=metadata,
-        timeline=timeline,
-        after=after,
+    committed = copy_checkpoint(
+        primary, manifest, mirror, timeline=timeline, after=after, provenance=provenance, progress=progress
     )
     return committed, True
-
-
-def _counting(chunks: Any, progress: Callable[[int], None] | None) -> Any:
-    for chunk in chunks:
-        if progress is not None:
-            progress(len(chunk))
-        yield chunk
-
-
-def _discard(store: Store, writers: Any) -> None:
-    keys = [r.key for w in writers for r in w.receipts]
-    if keys:
-        try:
-            store.delete(keys)
-        except Exception:  # noqa: BLE001 - best effort; GC sweeps leftovers after its grace period
-            log.debug("could not delete the shards of a failed replica", exc_info=True)
 
 
 def _placement(primary: Store, manifest: Manifest, mirror: Store) -> tuple[int, Ref | None, Manifest | None]:
