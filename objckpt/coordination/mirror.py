@@ -14,7 +14,9 @@ Writing (:class:`Mirror`, fed by :class:`MirroredSaveSession` on the coordinator
 * **bounded**: one replication in flight, at most one waiting. Back-pressure policy
   ``"latest"`` (default): a commit that arrives while one is waiting replaces it (the replaced
   step is not mirrored, counted as skipped), so the mirror always converges on the newest
-  checkpoint and the training loop never waits; ``"wait"``: the committing thread waits until
+  checkpoint and the training loop never waits -- except that a waiting step whose objects
+  the new one reuses (deduplication) is never replaced: that commit waits for the slot, as
+  under ``"wait"``, so every reference has a copy to name on the mirror; ``"wait"``: the committing thread waits until
   the waiting slot is free (every step mirrored, training slowed to the mirror's pace);
 * a failed replication is logged loudly and counted; the next commit replicates a newer step;
 * replication lag (seconds from the primary's commit to the mirror's) and the mirrored step
@@ -33,8 +35,9 @@ Deduplicated checkpoints (references to ancestors' objects) are mirrored by
 :func:`objckpt.replicate.copy_checkpoint`, the copy procedure ``objckpt cp`` uses: only the
 checkpoint's own shards are copied, its references become the mirror's references to the copies
 of those objects, which the mirror's copy of the parent must hold or reference. When it does not
-(the parent was skipped under ``"latest"``, or the mirror was added late), that replication fails
-loudly and is counted, and the mirror catches up with the next checkpoint it can place.
+(a mirror added late, or one whose timelines are numbered differently from the primary's), that
+replication fails loudly and is counted, and the mirror catches up with the next checkpoint it can
+place.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def mirror_checkpoint(
     Raises:
         NoCheckpointError: the checkpoint reuses objects of its ancestors (deduplication) that
             the mirror's copy of its parent neither holds nor references (the parent was not
-            mirrored: a skipped step under ``"latest"``, or a mirror added late); the next
+            mirrored: a mirror added late); the next
             checkpoint that the mirror can place tries again.
         ChecksumMismatchError: a primary shard does not match its receipt (nothing committed).
         CommitError: the mirror's commit checks failed, or no place on the mirror's lines fits.
@@ -235,7 +238,10 @@ class Mirror:
             if self._closed:
                 log.warning("mirror %s is closed: step %s is not mirrored", self.location, manifest.label)
                 return
-            if self.policy == "wait":
+            if self.policy == "wait" or self._reuses_pending(manifest):
+                # "latest" never drops a step whose objects the new one reuses (deduplication):
+                # the new step's references would have no copy to name on the mirror, nor would
+                # those of every later step; it waits for the slot instead (one replication)
                 while self._pending is not None and not self._closed:
                     self._cond.wait()
             if self._pending is not None:
@@ -258,6 +264,10 @@ class Mirror:
                 self._thread = threading.Thread(target=self._run, name="objckpt-mirror", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def _reuses_pending(self, manifest: Manifest) -> bool:
+        pending = self._pending[0] if self._pending is not None else None
+        return pending is not None and any(r.origin == pending.ref for r in manifest.references)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until nothing is in flight or waiting; ``False`` when ``timeout`` ran out."""

@@ -49,3 +49,51 @@ def test_a_deduplicated_run_is_mirrored_with_its_sharing(tmp_path: Path) -> None
     want = state(3)["model"]
     assert torch.equal(target["model"]["frozen"], want["frozen"])
     assert torch.equal(target["model"]["head"], want["head"])
+
+
+def test_latest_policy_never_drops_a_step_the_next_one_reuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from objckpt.coordination import mirror as mirror_module
+
+    root = f"file://{tmp_path}/primary"
+    torch.manual_seed(7)
+    changed = torch.randn(2 * MiB)
+    with CheckpointManager(root, replicated=()) as ckpt:
+        ckpt.save(1, state(1))
+        # new bytes at 2; written once more at 3 (a chunk is reused once its parent holds its
+        # full hash, benchmarks/DEDUP.md); reused from 3 at 4
+        m2, m3, m4 = (
+            ckpt.save(s, {"model": {"frozen": changed, "head": torch.randn(256)}}) for s in (2, 3, 4)
+        )
+    assert any(r.origin == m3.ref for r in m4.references)
+
+    gate = threading.Event()
+    real_copy = mirror_module.copy_checkpoint
+
+    def slow_copy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gate.wait(60)  # the mirror is busy with step 1 while steps 2 and 3 arrive
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(mirror_module, "copy_checkpoint", slow_copy)
+    primary, copy = open_store(root), open_store(f"file://{tmp_path}/mirror")
+    mirror = mirror_module.Mirror(primary, copy, policy="latest")
+    mirror.submit(m2)  # in flight (held at the gate)
+    for _ in range(600):  # until the worker has taken it
+        if mirror._busy:
+            break
+        threading.Event().wait(0.05)
+    assert mirror._busy
+    mirror.submit(m3)  # waiting
+    fourth = threading.Thread(target=mirror.submit, args=(m4,))
+    fourth.start()  # reuses step 3's objects: must not replace it
+    fourth.join(0.5)
+    assert mirror.counts["skipped"] == 0
+    gate.set()
+    fourth.join(60)
+    assert mirror.wait(60)
+    mirror.close()
+    assert mirror.counts == {"mirrored": 3, "already": 0, "skipped": 0, "failed": 0}
+    assert Reader(copy).steps() == [2, 3, 4]
