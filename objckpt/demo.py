@@ -159,13 +159,14 @@ def _train(rank: int, world_size: int, store_file: str, cfg: dict[str, Any]) -> 
                 + torch.from_numpy(0.01 * np.random.randn(*xb.shape)).float()
             )
             loss = torch.nn.functional.mse_loss(model(xb), yb)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
             # Data parallelism by hand: average each gradient over the ranks. (DDP does the same
             # in buckets, but rebuilds its bucket layout after the first iteration of every
             # process; with more than 2 ranks the all-reduce's float sum order depends on that
             # layout, so a restarted DDP job differs from an uninterrupted one in the last bits
             # unless the layout is pinned, e.g. with find_unused_parameters=True.)
             for p in model.parameters():
+                assert p.grad is not None  # backward() gave every parameter a gradient
                 dist.all_reduce(p.grad)
                 p.grad.div_(world_size)
             opt.step()

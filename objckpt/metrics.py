@@ -227,7 +227,7 @@ class JsonLogCallback(BaseMetricsCallback):
     def _emit(self, event: MetricsEvent, level: int | None = None) -> None:
         self.logger.log(level or self.level, json.dumps(event.to_dict(), sort_keys=True, default=str))
 
-    on_save_start = on_commit = on_restore = on_retry = on_restart = _emit  # type: ignore[assignment]
+    on_save_start = on_commit = on_restore = on_retry = on_restart = _emit
 
     def on_failure(self, event: FailureEvent) -> None:
         self._emit(event, logging.WARNING)
@@ -786,7 +786,8 @@ class PrometheusExporter:
 
     def render(self) -> bytes:
         """The exposition text, as a scrape would return it."""
-        return _require_prometheus().generate_latest(self.registry)
+        text: bytes = _require_prometheus().generate_latest(self.registry)
+        return text
 
     def write_textfile(self, path: str | os.PathLike[str]) -> None:
         """Write the exposition text for node-exporter's textfile collector.

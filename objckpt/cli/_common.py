@@ -215,29 +215,15 @@ def parse_options(pairs: Sequence[str] | None) -> dict[str, str]:
 
 
 def _accepted_options(scheme: str) -> set[str]:
-    """The store options a ``scheme://`` run root accepts.
-
-    ``objckpt.store.options_for(scheme)`` (option specs with ``.name``) where the store package
-    has it; otherwise the shared ``COMMON_OPTIONS`` plus the backend class's ``OPTIONS``.
+    """The store options a ``scheme://`` run root accepts: the names of
+    ``objckpt.store.options_for(scheme)`` (looked up at call time, so tests can replace it).
 
     Raises:
         ConfigError: an unknown scheme, or the backend's extra is not installed.
     """
     from .. import store as store_pkg
 
-    options_for = getattr(store_pkg, "options_for", None)
-    if options_for is not None:
-        return {spec.name for spec in options_for(scheme)}
-    backends = store_pkg._BACKENDS
-    if scheme not in backends:
-        raise ConfigError(f"unsupported URI scheme {scheme!r}; use one of {sorted(backends)}")
-    module_name, class_name, extra = backends[scheme]
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except ImportError as exc:
-        hint = f"; install objckpt[{extra}] to use {scheme}:// URIs" if extra else ""
-        raise ConfigError(f"cannot load the {scheme}:// backend: {exc}{hint}") from exc
-    return set(store_pkg.COMMON_OPTIONS) | set(getattr(cls, "OPTIONS", ()))
+    return {spec.name for spec in store_pkg.options_for(scheme)}
 
 
 def scope_options(

@@ -24,7 +24,7 @@ from ._view import RootView
 
 
 def _manifest_json(m: Any, where: str, *, shards: bool) -> dict[str, Any]:
-    d = m.to_dict()
+    d: dict[str, Any] = m.to_dict()
     if not shards:
         d.pop("shards")
     d.update(root=where, manifest_key=m.key, shard_count=len(m.shards), total_size=m.total_size)

@@ -44,8 +44,8 @@ def checkpoint_rows(reader: Any, view: RootView, res: Resolution, now: datetime)
 
     damaged = {s.ref: s.reason for s in res.skipped if not s.invalid_manifest}
     bases: dict[Ref, list[int]] = {}
-    for n, claim in sorted(view.claims.items()):
-        bases.setdefault(claim.base_ref, []).append(n)
+    for n, timeline_claim in sorted(view.claims.items()):
+        bases.setdefault(timeline_claim.base_ref, []).append(n)
     rows: dict[Ref, dict[str, Any]] = {}
     for ref, key in sorted(view.keys.items()):
         by = view.abandoned_by(ref)

@@ -46,7 +46,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, SupportsInt, TypeVar, cast
 
 from .. import layout
 from ..errors import (
@@ -276,7 +276,7 @@ class RestoreSession:
             self.store,
             lineage.Position(
                 manifest,
-                int(timeline) if isinstance(timeline, int) else None,  # type: ignore[arg-type]
+                int(timeline) if isinstance(timeline, int) else None,
                 str(decision.get("reason", "")),
                 tuple(decision.get("abandons") or ()),  # type: ignore[arg-type]
                 restored=True,
@@ -626,4 +626,5 @@ def _decide_restored(results: list[dict[str, object]]) -> int:
     if len(steps) != 1:
         detail = ", ".join(f"rank {i}: {r['step']}" for i, r in enumerate(results))
         raise DistributedError(f"ranks restored different checkpoints ({detail}); refusing to resume")
-    return int(results[0]["step"])  # type: ignore[call-overload]
+    # The reports cross the collective as plain dicts: "step" is each rank's manifest step.
+    return int(cast(SupportsInt, results[0]["step"]))

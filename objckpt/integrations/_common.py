@@ -139,7 +139,7 @@ def torch_save_spooled(obj: Any, *, spool_bytes: int = DEFAULT_SPOOL_BYTES) -> I
     except BaseException:
         spool.close()
         raise
-    return spool  # type: ignore[return-value]
+    return spool
 
 
 def torch_load_verified(

@@ -70,7 +70,7 @@ from . import _common
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine as _Base
 except ImportError:  # pragma: no cover - the engine logic still works (and is unit-tested) without it
-    _Base = object  # type: ignore[assignment,misc]
+    _Base = object
 
 __all__ = ["SAFE_GLOBALS", "ObjckptCheckpointEngine", "load_checkpoint", "step_from_tag"]
 
@@ -131,7 +131,8 @@ class _Save:
         return self.ticket.step
 
 
-class ObjckptCheckpointEngine(_Base):
+# DeepSpeed ships no type information: its CheckpointEngine is Any to mypy.
+class ObjckptCheckpointEngine(_Base):  # type: ignore[misc]
     """DeepSpeed ``CheckpointEngine`` backed by an objckpt run root. Construct it on every rank
     (after ``deepspeed.init_distributed``) and put it in ``engine.checkpoint_engine``
     (:meth:`attach`).
@@ -528,7 +529,8 @@ def _tag_of(manifest: Manifest) -> str:
     info = manifest.metadata.get("deepspeed")
     if not isinstance(info, dict) or not isinstance(info.get("tag"), str):
         raise NoCheckpointError(f"step {manifest.step} ({manifest.key}) is not a DeepSpeed checkpoint")
-    return info["tag"]
+    tag: str = info["tag"]
+    return tag
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -287,7 +287,7 @@ def _trainer_folder(manifest: Manifest) -> str:
         raise NoCheckpointError(
             f"step {manifest.step} ({manifest.key}) is not a Hugging Face Trainer checkpoint"
         )
-    folder = info["folder"]
+    folder: str = info["folder"]
     if folder != f"{CHECKPOINT_PREFIX}-{manifest.step}":
         raise NoCheckpointError(f"step {manifest.step}: unexpected folder name {folder!r} in {manifest.key}")
     return folder

@@ -62,7 +62,8 @@ try:  # the unified package first, then the standalone pytorch_lightning's fabri
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
-        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO
+        # The standalone package's class: the same API, but a distinct type to mypy.
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO  # type: ignore[assignment]
     except ImportError as exc:
         raise ImportError(
             "objckpt.integrations.lightning needs PyTorch Lightning: pip install 'lightning>=2.6'"
@@ -269,7 +270,8 @@ class ObjckptCheckpointIO(_CheckpointIO):
         with self._lock:
             self._known.add(restored.step)
             self._names[os.path.basename(os.fspath(path))] = restored.step
-        return _common.move_to(restored.value, map_location)
+        loaded: dict[str, Any] = _common.move_to(restored.value, map_location)
+        return loaded
 
     def _load_comm(self) -> Comm:
         """The restore session's world: every rank when ``collective_load`` (Lightning's resume

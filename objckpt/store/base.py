@@ -26,6 +26,7 @@ guarantees nothing, so protocol code refuses to commit on it (fail closed).
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import itertools
 import threading
@@ -37,7 +38,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, Union
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union, cast
 
 from .._crc import Buffer, Crc32c, crc32c_b64, encode_crc32c
 from .._retry import RetryPolicy
@@ -53,6 +54,8 @@ from ._options import Option
 
 if TYPE_CHECKING:
     from ._uri import ParsedURI
+
+T = TypeVar("T")
 
 BytesSource = Union[Buffer, Iterable[Buffer], IO[bytes]]
 """What ``put_stream`` accepts: one buffer, an iterable of buffers, or a binary file object."""
@@ -369,7 +372,7 @@ class Store(ABC):
         """Call ``listener(error, attempt)`` before each retry (metrics, tests)."""
         self._retry_listeners.append(listener)
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """One request under the retry policy: its time budget, cut down to what remains of an
         enclosing :func:`time_budget` (so nested requests never restart the clock), is shared
         with any request made while this one runs on this thread."""
@@ -632,7 +635,7 @@ class Store(ABC):
                 return
             cursor = page[-1].key
 
-    def list_prefixes(self, prefix: str = "") -> list[str]:
+    def list_prefixes(self, prefix: str = "") -> builtins.list[str]:
         """Sub-'directories' (each ending in ``/``) directly under ``prefix``, sorted."""
         return sorted(self._call(self._list_prefixes, prefix))
 
@@ -653,7 +656,7 @@ class Store(ABC):
         if batch:
             self._call(self._delete_batch, batch)
 
-    def list_uploads(self, prefix: str = "") -> list[PendingUpload]:
+    def list_uploads(self, prefix: str = "") -> builtins.list[PendingUpload]:
         """Started but never completed streamed uploads under ``prefix`` (for GC)."""
         return self._call(self._list_uploads, prefix)
 
@@ -751,10 +754,11 @@ def iter_parts(source: BytesSource, part_size: int) -> Iterator[memoryview]:
             yield view[start : start + part_size]
         return
     if hasattr(source, "readinto") or hasattr(source, "read"):
-        yield from _iter_file_parts(source, part_size)  # type: ignore[arg-type]
+        # Duck-typed file object: mypy cannot narrow the union to IO[bytes] by attribute.
+        yield from _iter_file_parts(cast("IO[bytes]", source), part_size)
         return
     pending: bytearray | None = None
-    for chunk in source:  # type: ignore[union-attr]
+    for chunk in source:
         view = memoryview(chunk).cast("B")
         pos = 0
         if pending is not None:
@@ -780,7 +784,7 @@ def _iter_file_parts(fileobj: IO[bytes], part_size: int) -> Iterator[memoryview]
         filled = 0
         while filled < part_size:
             if hasattr(fileobj, "readinto"):
-                n = fileobj.readinto(memoryview(buf)[filled:])  # type: ignore[attr-defined]
+                n = fileobj.readinto(memoryview(buf)[filled:])
             else:
                 data = fileobj.read(part_size - filled)
                 n = len(data)

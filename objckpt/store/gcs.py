@@ -89,7 +89,7 @@ from .wrappers import PrefixStore
 try:  # google-cloud-storage >= 3 vendors resumable-media; older versions use the package
     from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 except ImportError:  # pragma: no cover - google-cloud-storage 2.x
-    from google.resumable_media import DataCorruption, InvalidResponse  # type: ignore[no-redef]
+    from google.resumable_media import DataCorruption, InvalidResponse
 
 if TYPE_CHECKING:
     from ._uri import ParsedURI
@@ -294,7 +294,8 @@ class GCSStore(Store):
             kwargs["client_options"] = {"api_endpoint": self.endpoint_url}
         credentials = self._credentials
         if credentials is None and self.anonymous:
-            credentials = AnonymousCredentials()
+            # google-auth leaves AnonymousCredentials.__init__ unannotated.
+            credentials = AnonymousCredentials()  # type: ignore[no-untyped-call]
         if credentials is not None:
             kwargs["credentials"] = credentials
         project = self.project or ("objckpt-anonymous" if self.anonymous else None)

@@ -768,7 +768,8 @@ class S3Store(Store):
     def _read_body(self, body: Any, key: str) -> bytes:
         try:
             with self._mapped("get", key):
-                return body.read()
+                data: bytes = body.read()
+                return data
         finally:
             body.close()
 

@@ -33,10 +33,10 @@ import dataclasses
 import fnmatch
 import random
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .._retry import RetryPolicy
 from ..errors import ChecksumMismatchError, ConfigError, StoreError, TransientError
@@ -50,6 +50,8 @@ from .base import (
     UploadHandle,
     key_problem,
 )
+
+T = TypeVar("T")
 
 #: the primitive (op) names, from the contract itself: a new primitive needs no list here
 _OPS = frozenset(name[1:] for name in Store.__abstractmethods__)
@@ -92,7 +94,7 @@ class _Wrapper(Store):
         # names), applied to the key the inner store will see.
         return self.inner._key_rule(key)
 
-    def _invoke(self, op: str, key: str, keys: list[str] | None, fn: Any, *args: Any) -> Any:
+    def _invoke(self, op: str, key: str, keys: list[str] | None, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
 
     # -- primitives: one line each, so every op goes through _invoke
@@ -400,10 +402,10 @@ class FaultInjectingStore(_Wrapper):
             return error
         message = f"injected fault on {op}"
         try:
-            return error(message, key=key, location=self.location, operation=op)  # type: ignore[call-arg]
+            return error(message, key=key, location=self.location, operation=op)
         except TypeError:  # not a StoreError: e.g. ChecksumMismatchError, ConnectionResetError
             try:
-                return error(message, key=key, location=self.location)  # type: ignore[call-arg]
+                return error(message, key=key, location=self.location)
             except TypeError:
                 return error(message)
 

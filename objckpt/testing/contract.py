@@ -47,7 +47,7 @@ from ..errors import (
     NotFoundError,
     PreconditionFailedError,
 )
-from ..store.base import Capabilities, PutMode, Store
+from ..store.base import BytesSource, Capabilities, PutMode, Store
 from ..store.wrappers import CountingStore
 
 #: the server accepts a body (PutObject, UploadPart) whose CRC32C does not match it
@@ -136,7 +136,7 @@ class StoreContract:
 
     # ---------------------------------------------------------------- create-if-absent
 
-    def test_put_create_twice_raises_already_exists_and_keeps_original(self, store):
+    def test_put_create_twice_raises_already_exists_and_keeps_original(self, store: Store) -> None:
         first = store.put("obj", b"original", mode=PutMode.CREATE)
         with pytest.raises(AlreadyExistsError) as info:
             store.put("obj", b"intruder", mode=PutMode.CREATE)
@@ -145,8 +145,8 @@ class StoreContract:
         assert store.head("obj").version == first.version
 
     def test_put_stream_multipart_create_twice_raises_already_exists_and_keeps_original(
-        self, request, store_gaps, store
-    ):
+        self, request: pytest.FixtureRequest, store_gaps: Mapping[str, str], store: Store
+    ) -> None:
         expect_gap(request, store_gaps, GAP_CONDITIONAL_COMPLETE)
         original = _payload(BIG, seed=1)
         store.put_stream("obj", original, part_size=PART)
@@ -155,7 +155,9 @@ class StoreContract:
         assert store.get("obj") == original
         assert store.list_uploads("") == []  # the losing upload was aborted
 
-    def test_create_race_has_exactly_one_winner(self, request, store_gaps, store):
+    def test_create_race_has_exactly_one_winner(
+        self, request: pytest.FixtureRequest, store_gaps: Mapping[str, str], store: Store
+    ) -> None:
         expect_gap(request, store_gaps, GAP_ATOMIC_CONDITIONALS)
         n = 8
         barrier = threading.Barrier(n)
@@ -175,7 +177,7 @@ class StoreContract:
 
     # ---------------------------------------------------------------- compare-and-swap
 
-    def test_write_returns_the_version_head_reports_and_new_bytes_get_a_new_one(self, store):
+    def test_write_returns_the_version_head_reports_and_new_bytes_get_a_new_one(self, store: Store) -> None:
         # (Identical bytes may keep the version: an S3 ETag is the MD5 of the body.)
         a = store.put("v", b"first")
         assert store.head("v").version == a.version
@@ -184,7 +186,7 @@ class StoreContract:
         assert store.head("v").version == b.version
         assert [m.version for m in store.list("")] == [b.version]
 
-    def test_update_with_stale_version_fails_and_leaves_object_unchanged(self, store):
+    def test_update_with_stale_version_fails_and_leaves_object_unchanged(self, store: Store) -> None:
         old = store.put("ptr", b"1", mode=PutMode.CREATE)
         new = store.put("ptr", b"2", mode=PutMode.update(old.version))
         with pytest.raises(PreconditionFailedError):
@@ -192,7 +194,7 @@ class StoreContract:
         assert store.get("ptr") == b"2"
         assert store.head("ptr").version == new.version
 
-    def test_update_with_current_version_succeeds_and_returns_new_version(self, store):
+    def test_update_with_current_version_succeeds_and_returns_new_version(self, store: Store) -> None:
         first = store.put("ptr", b"1", mode=PutMode.CREATE)
         second = store.put("ptr", b"2", mode=PutMode.update(first.version))
         assert second.version != first.version
@@ -200,14 +202,16 @@ class StoreContract:
         third = store.put("ptr", b"3", mode=PutMode.update(second.version))
         assert store.head("ptr").version == third.version
 
-    def test_update_of_absent_key_fails(self, store):
+    def test_update_of_absent_key_fails(self, store: Store) -> None:
         other = store.put("exists", b"x")
         with pytest.raises((PreconditionFailedError, NotFoundError)):
             store.put("absent", b"y", mode=PutMode.update(other.version))
         with pytest.raises(NotFoundError):
             store.head("absent")
 
-    def test_cas_race_of_concurrent_increments_loses_no_update(self, request, store_gaps, store):
+    def test_cas_race_of_concurrent_increments_loses_no_update(
+        self, request: pytest.FixtureRequest, store_gaps: Mapping[str, str], store: Store
+    ) -> None:
         expect_gap(request, store_gaps, GAP_ATOMIC_CONDITIONALS)
         threads, increments = 5, 10
         store.put("counter", b"0", mode=PutMode.CREATE)
@@ -234,13 +238,16 @@ class StoreContract:
     # ---------------------------------------------------------------- streamed multipart put
 
     @pytest.mark.parametrize("shape", ["bytes", "odd_chunks", "file"])
-    def test_put_stream_multipart_roundtrips_bytes_and_full_object_crc32c(self, store, counted, shape):
+    def test_put_stream_multipart_roundtrips_bytes_and_full_object_crc32c(
+        self, store: Store, counted: Callable[[Store], CountingStore], shape: str
+    ) -> None:
         data = _payload(BIG, seed=3)
-        source = {
+        sources: dict[str, Callable[[], BytesSource]] = {
             "bytes": lambda: data,
             "odd_chunks": lambda: _chunks(data, MiB + 7),  # parts span source chunks
             "file": lambda: io.BytesIO(data),
-        }[shape]()
+        }
+        source = sources[shape]()
         counting = counted(store)
         meta = counting.put_stream("big", source, part_size=PART, max_in_flight=2)
         assert counting.counts["upload_part"] >= 3  # really multipart
@@ -253,11 +260,11 @@ class StoreContract:
         if head.crc32c is not None:
             assert head.crc32c == crc32c_b64(data)
 
-    def test_put_stream_source_failing_mid_stream_propagates_and_leaves_nothing(self, store):
+    def test_put_stream_source_failing_mid_stream_propagates_and_leaves_nothing(self, store: Store) -> None:
         class Boom(RuntimeError):
             pass
 
-        def source():
+        def source() -> Iterator[bytes]:
             yield _payload(PART, seed=4)
             yield _payload(PART, seed=5)
             raise Boom("source broke")
@@ -270,8 +277,8 @@ class StoreContract:
         assert store.list_uploads("") == []
 
     def test_upload_part_with_wrong_checksum_is_rejected_as_checksum_mismatch(
-        self, request, store_gaps, store
-    ):
+        self, request: pytest.FixtureRequest, store_gaps: Mapping[str, str], store: Store
+    ) -> None:
         expect_gap(request, store_gaps, GAP_PART_CHECKSUM)
         data = memoryview(_payload(PART, seed=6))
         handle = store._create_upload("bad-part", PutMode.CREATE)
@@ -286,7 +293,9 @@ class StoreContract:
         with pytest.raises(NotFoundError):
             store.head("bad-part")
 
-    def test_put_with_wrong_checksum_is_rejected_as_checksum_mismatch(self, request, store_gaps, store):
+    def test_put_with_wrong_checksum_is_rejected_as_checksum_mismatch(
+        self, request: pytest.FixtureRequest, store_gaps: Mapping[str, str], store: Store
+    ) -> None:
         expect_gap(request, store_gaps, GAP_PART_CHECKSUM)
         with pytest.raises(ChecksumMismatchError) as info:
             store._put("bad", memoryview(b"these bytes"), PutMode.CREATE, crc32c_b64(b"other bytes"))
@@ -299,7 +308,9 @@ class StoreContract:
     @pytest.mark.parametrize(
         "make_source", [lambda: b"", lambda: iter(()), lambda: io.BytesIO(b"")], ids=["bytes", "iter", "file"]
     )
-    def test_put_stream_of_zero_bytes_makes_an_empty_object(self, store, make_source):
+    def test_put_stream_of_zero_bytes_makes_an_empty_object(
+        self, store: Store, make_source: Callable[[], BytesSource]
+    ) -> None:
         meta = store.put_stream("empty", make_source(), part_size=PART)
         assert meta.size == 0
         assert meta.crc32c == crc32c_b64(b"")
@@ -307,7 +318,9 @@ class StoreContract:
         assert store.head("empty").size == 0
 
     @pytest.mark.parametrize("shape", ["bytes", "chunks"])
-    def test_put_stream_exact_multiple_of_part_size_uploads_no_empty_part(self, store, counted, shape):
+    def test_put_stream_exact_multiple_of_part_size_uploads_no_empty_part(
+        self, store: Store, counted: Callable[[Store], CountingStore], shape: str
+    ) -> None:
         data = _payload(2 * PART, seed=7)
         source = data if shape == "bytes" else _chunks(data, PART)
         counting = counted(store)
@@ -318,7 +331,7 @@ class StoreContract:
 
     # ---------------------------------------------------------------- reads
 
-    def test_get_byte_range_returns_exactly_those_bytes(self, store):
+    def test_get_byte_range_returns_exactly_those_bytes(self, store: Store) -> None:
         data = _payload(1000, seed=8)
         store.put("r", data)
         assert store.get("r", byte_range=(0, 1000)) == data
@@ -331,14 +344,14 @@ class StoreContract:
         store.put("e", b"")
         assert store.get("e", byte_range=(0, 5)) == b"" and store.get("e") == b""
 
-    def test_get_of_a_multi_part_object_and_its_ranges(self, store):
+    def test_get_of_a_multi_part_object_and_its_ranges(self, store: Store) -> None:
         data = _payload(BIG, seed=10)
         store.put_stream("m", data, part_size=PART)
         assert store.get("m") == data
         assert store.get("m", byte_range=(PART - 3, 2 * PART + 3)) == data[PART - 3 : 2 * PART + 3]
         assert store.get("m", byte_range=(BIG - 10, BIG + 10)) == data[-10:]
 
-    def test_get_stream_verifies_size_and_crc32c_at_the_end(self, store):
+    def test_get_stream_verifies_size_and_crc32c_at_the_end(self, store: Store) -> None:
         data = _payload(3 * MiB + 5, seed=9)
         meta = store.put("s", data)
         got = b"".join(store.get_stream("s", expected_size=len(data), expected_crc32c=meta.crc32c))
@@ -351,7 +364,7 @@ class StoreContract:
         with pytest.raises(ChecksumMismatchError):
             b"".join(store.get_stream("s", expected_size=len(data) - 1))
 
-    def test_head_and_get_of_missing_key_raise_not_found(self, store):
+    def test_head_and_get_of_missing_key_raise_not_found(self, store: Store) -> None:
         with pytest.raises(NotFoundError) as info:
             store.head("missing")
         assert isinstance(info.value, FileNotFoundError)
@@ -360,14 +373,14 @@ class StoreContract:
         with pytest.raises(NotFoundError):
             b"".join(store.get_stream("missing"))
 
-    def test_empty_object_put_get_head_list(self, store):
+    def test_empty_object_put_get_head_list(self, store: Store) -> None:
         meta = store.put("empty", b"", mode=PutMode.CREATE)
         assert meta.size == 0
         assert store.get("empty") == b""
         assert store.head("empty").size == 0
         assert [(m.key, m.size) for m in store.list("")] == [("empty", 0)]
 
-    def test_keys_with_spaces_and_unicode_roundtrip(self, store):
+    def test_keys_with_spaces_and_unicode_roundtrip(self, store: Store) -> None:
         keys = ["with space/file name.bin", "ünïcödé/日本語/ключ", "emoji-🚀.pt"]
         for i, key in enumerate(keys):
             store.put(key, f"v{i}".encode(), mode=PutMode.CREATE)
@@ -380,7 +393,7 @@ class StoreContract:
 
     # ---------------------------------------------------------------- listing and deleting
 
-    def test_list_filters_by_plain_string_prefix_in_sorted_order(self, store):
+    def test_list_filters_by_plain_string_prefix_in_sorted_order(self, store: Store) -> None:
         keys = ["a/1", "a/2", "a-b", "a0", "ab/x", "b/1", "a/sub/3"]
         for key in keys:
             store.put(key, b"x")
@@ -392,7 +405,7 @@ class StoreContract:
         sizes = {m.key: m.size for m in store.list("")}
         assert set(sizes.values()) == {1}
 
-    def test_list_start_after_resumes_after_that_key(self, store):
+    def test_list_start_after_resumes_after_that_key(self, store: Store) -> None:
         # (no key is also a "directory" of others: file:// cannot hold both "a" and "a/b")
         keys = sorted([f"k/{i:03d}" for i in range(10)] + ["k/005x/deeper", "k/005x/z"])
         for key in keys:
@@ -404,7 +417,7 @@ class StoreContract:
         assert [m.key for m in store.list("", start_after="k/009")] == []
         assert [m.key for m in store.list("k/", start_after="a")] == keys
 
-    def test_list_prefixes_returns_direct_subdirectories(self, store):
+    def test_list_prefixes_returns_direct_subdirectories(self, store: Store) -> None:
         for key in ["p/a/1", "p/a/2", "p/b/x/1", "p/c", "q/1"]:
             store.put(key, b"x")
         assert store.list_prefixes("") == ["p/", "q/"]
@@ -413,7 +426,7 @@ class StoreContract:
         assert store.list_prefixes("p/a/") == []
         assert store.list_prefixes("nothing/") == []
 
-    def test_delete_ignores_absent_keys(self, store):
+    def test_delete_ignores_absent_keys(self, store: Store) -> None:
         store.put("d/1", b"x")
         store.put("d/2", b"x")
         store.delete(["d/1", "d/never-existed", "nope/at/all"])
@@ -422,7 +435,9 @@ class StoreContract:
         store.delete(["d/2", "d/2"])
         assert list(store.list("")) == []
 
-    def test_list_paginates_over_1000_keys_and_delete_batches_over_1000(self, store, counted):
+    def test_list_paginates_over_1000_keys_and_delete_batches_over_1000(
+        self, store: Store, counted: Callable[[Store], CountingStore]
+    ) -> None:
         # Slow on HTTP servers: the only test that makes more than a handful of objects.
         keys = [f"many/{i:05d}" for i in range(1050)]
         with ThreadPoolExecutor(16) as pool:
@@ -440,7 +455,7 @@ class StoreContract:
 
     # ---------------------------------------------------------------- uploads left behind (GC)
 
-    def test_pending_upload_is_listed_and_aborted_through_its_pending_record(self, store):
+    def test_pending_upload_is_listed_and_aborted_through_its_pending_record(self, store: Store) -> None:
         handle = store._create_upload("gc/me", PutMode.CREATE)
         store._upload_part(handle, 1, 0, memoryview(b"abc"), crc32c_b64(b"abc"))
         pending = store.list_uploads("gc/")
@@ -457,9 +472,11 @@ class StoreContract:
     # ---------------------------------------------------------------- keys and declarations
 
     @pytest.mark.parametrize("key", INVALID_KEYS, ids=repr)
-    def test_invalid_keys_are_refused_before_any_request(self, store, counted, key):
+    def test_invalid_keys_are_refused_before_any_request(
+        self, store: Store, counted: Callable[[Store], CountingStore], key: str
+    ) -> None:
         counting = counted(store)
-        calls = {
+        calls: dict[str, Callable[[], object]] = {
             "put": lambda: counting.put(key, b"x"),
             "put_stream": lambda: counting.put_stream(key, bytes(3000), part_size=1000),
             "get": lambda: counting.get(key),
@@ -480,7 +497,7 @@ class StoreContract:
             store.get(key)
         assert [m.key for m in store.list("")] == []
 
-    def test_capabilities_are_declared_in_full(self, store):
+    def test_capabilities_are_declared_in_full(self, store: Store) -> None:
         caps = store.capabilities
         assert isinstance(caps, Capabilities)
         # what the protocol needs to commit; a backend lacking it must say so (NotSupportedError)
@@ -488,12 +505,14 @@ class StoreContract:
             with pytest.raises(NotImplementedError):
                 store.put("k", b"x", mode=PutMode.CREATE)
 
-    def test_missing_bucket_is_bucket_not_found_on_every_call(self, make_missing_bucket_store):
+    def test_missing_bucket_is_bucket_not_found_on_every_call(
+        self, make_missing_bucket_store: Callable[[], Store] | None
+    ) -> None:
         if make_missing_bucket_store is None:
             pytest.skip("this backend has no bucket that can be missing")
         store = make_missing_bucket_store()
         try:
-            calls = {
+            calls: dict[str, Callable[[], object]] = {
                 "head": lambda: store.head("k"),
                 "get": lambda: store.get("k"),
                 "get_stream": lambda: b"".join(store.get_stream("k")),

@@ -94,7 +94,7 @@ def compress(view: memoryview, codec: str) -> bytes:
     k = _planes(codec)
     if k > 1 and view.nbytes % k == 0:
         flat = torch.frombuffer(view, dtype=torch.uint8)
-        data: Any = memoryview(flat.view(-1, k).t().contiguous().numpy())
+        data: Any = flat.view(-1, k).t().contiguous().numpy().data
     else:
         data = view
     return bytes(_compressor().compress(data))

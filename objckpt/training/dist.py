@@ -74,7 +74,9 @@ class DistComm(Comm):
         members = sorted(ranks) if ranks is not None else None
         self.rank = dist.get_rank() if members is None else members.index(dist.get_rank())
         self.world_size = dist.get_world_size() if members is None else len(members)
-        local = {"ranks": members, "use_local_synchronization": True} if members is not None else {}
+        local: dict[str, Any] = (
+            {"ranks": members, "use_local_synchronization": True} if members is not None else {}
+        )
         self.timeout = timeout
         self.handshake_timeout = handshake_timeout
         self._broken: str | None = None

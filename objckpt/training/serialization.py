@@ -79,11 +79,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
-from .._crc import Crc32c, crc32c_b64, crc32c_of, encode_crc32c
+from .._crc import Buffer, Crc32c, crc32c_b64, crc32c_of, encode_crc32c
 from ..errors import ChecksumMismatchError, SerializationError, UnsupportedStateError
 
 try:  # numpy is optional: without it numpy arrays simply cannot appear in a state
@@ -268,7 +268,7 @@ def _bytes_view(arr: _Array) -> memoryview:
             t = t.to("cpu")  # one tensor at a time, only while it is being sent
         t = t.resolve_conj().resolve_neg().contiguous()
         flat = t.reshape(-1).view(torch.uint8)
-        return memoryview(flat.numpy()).cast("B")
+        return flat.numpy().data.cast("B")
     a = arr.obj
     if not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
@@ -846,6 +846,8 @@ def _fail(msg: str) -> SerializationError:
 
 
 def _parse_prefix(prefix: bytes, total_size: int | None) -> int:
+    magic: bytes
+    header_len: int
     magic, header_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         hint = (
@@ -887,7 +889,7 @@ def _parse_header(raw: bytes, *, trailer: bool = False) -> dict[str, Any]:
     return header
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -934,7 +936,7 @@ def _alloc_arrays(entries: Any, data_size: Any) -> list[Any]:
 
 def _dest_view(arr: Any) -> memoryview:
     if isinstance(arr, torch.Tensor):
-        return memoryview(arr.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return arr.reshape(-1).view(torch.uint8).numpy().data.cast("B")
     return memoryview(arr.reshape(-1).view(np.uint8)).cast("B")
 
 
@@ -1049,7 +1051,7 @@ def _view_ref(v: Any) -> ViewRef:
 
 
 def decode_stream(
-    chunks: Iterable[bytes],
+    chunks: Iterable[Buffer],
     *,
     total_size: int | None = None,
     read_range: Callable[[int, int], bytes] | None = None,
@@ -1162,7 +1164,7 @@ def decode(data: bytes | bytearray | memoryview, *, resolver: Resolver | None = 
     return decode_stream([view], total_size=view.nbytes, read_range=read_range, resolver=resolver)
 
 
-def _chain_views(first: memoryview, rest: Iterator[bytes]) -> Iterator[memoryview]:
+def _chain_views(first: memoryview, rest: Iterator[Buffer]) -> Iterator[memoryview]:
     if first.nbytes:
         yield first
     for chunk in rest:

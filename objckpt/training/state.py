@@ -260,7 +260,8 @@ def capture_global_rng() -> dict[str, Any]:
     out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
         out["numpy"] = np.random.get_state(legacy=True)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # torch leaves torch.cuda.is_initialized unannotated.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         out["cuda"] = list(torch.cuda.get_rng_state_all())
     return out
 

@@ -6,7 +6,7 @@ import concurrent.futures
 import logging
 import warnings
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -110,7 +110,8 @@ def save_sharded(
         retention=retention, metrics=metrics, store_options=store_options, dedup=dedup,
     )  # fmt: skip
     try:
-        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+        # torch.distributed.checkpoint re-exports it without __all__ (mypy: not exported)
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)  # type: ignore[attr-defined]
         if mirror is not None and writer.manifest is not None:  # the coordinator, committed
             _mirror_commit(writer.store, writer.manifest, mirror, retention, metrics)
     except CheckpointException as cpe:
@@ -165,11 +166,14 @@ def async_save_sharded(
         retention=retention, metrics=metrics, store_options=store_options, dedup=dedup,
     )  # fmt: skip
     try:
-        response = dcp.async_save(state_dict, storage_writer=writer, process_group=process_group)
+        # torch.distributed.checkpoint re-exports it without __all__ (mypy: not exported)
+        response = dcp.async_save(state_dict, storage_writer=writer, process_group=process_group)  # type: ignore[attr-defined]
     except CheckpointException as cpe:
         writer.close()
         raise commit_error_from(cpe, step=step, location=writer.store.location) from cpe
-    upload = getattr(response, "upload_completion", response)
+    # torch >= 2.7 returns an AsyncSaveResponse holding the upload future, older torch the future
+    # itself: the attribute test covers both, which mypy cannot follow.
+    upload = cast("concurrent.futures.Future[Any]", getattr(response, "upload_completion", response))
     outcome: concurrent.futures.Future[int] = concurrent.futures.Future()
 
     def done(f: Any) -> None:
@@ -231,7 +235,8 @@ def load_sharded(
             # the session's root: the mirror's after a restore from it
             reader = ObjckptStorageReader(session.reader.store, manifest=manifest)
             try:
-                dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+                # torch.distributed.checkpoint re-exports it without __all__ (mypy: not exported)
+                dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)  # type: ignore[attr-defined]
             except CheckpointException as cpe:
                 raise _load_error(_failures(cpe), reader) from cpe
             return manifest.step

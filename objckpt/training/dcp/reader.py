@@ -315,10 +315,10 @@ class ObjckptStorageReader(StorageReader):
                     cur[3].append((loc, reqs))
                     continue
                 if cur is not None:
-                    ranges.append(tuple(cur))  # type: ignore[arg-type]
+                    ranges.append(tuple(cur))
                 cur = [key, loc.start, end, [(loc, reqs)]]
             if cur is not None:
-                ranges.append(tuple(cur))  # type: ignore[arg-type]
+                ranges.append(tuple(cur))
         return ranges
 
     def _fetch(self, key: str, start: int, end: int) -> bytes:

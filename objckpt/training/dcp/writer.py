@@ -80,7 +80,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
         t = t.contiguous()
     # A uint8 view works for every dtype (numpy has no bfloat16); the memoryview keeps the
     # tensor alive for as long as the upload holds parts of it.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 # ---------------------------------------------------------------------------------- writer
@@ -280,6 +280,7 @@ class ObjckptStorageWriter(StorageWriter):
             raise DistributedError(f"rank {self.rank} received the plan for rank {sd.rank}")
         self.attempt = sd.attempt
         self._candidates = dict(sd.candidates or {})
+        assert self.step is not None  # set_up_storage_writer refuses a save without a step
         writer = ShardWriter(self.store, step=self.step, attempt=sd.attempt, rank=sd.rank)
         results: list[WriteResult] = []
         for number, items in enumerate(self._split(plan.items)):
@@ -450,6 +451,7 @@ class ObjckptStorageWriter(StorageWriter):
             storage_meta=StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.attempt),
         )
         body = encode_metadata(metadata, locations)
+        assert self.step is not None  # set_up_storage_writer refuses a save without a step
         writer = ShardWriter(self.store, step=self.step, attempt=self.attempt, rank=0)
         receipts[0][METADATA_SHARD] = writer.write(METADATA_SHARD, body)
         manifest_metadata = dict(self.extra_metadata)
