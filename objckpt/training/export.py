@@ -998,7 +998,7 @@ def _read_chunked_container(
         if kind == "torch":
             placeholders.append(torch.empty(shape, dtype=dt, device="meta"))
         else:  # numpy arrays are never exported; a 0-byte stand-in of their dtype
-            np = serialization.np
+            np: Any = getattr(serialization, "np", None)  # _check_entry refused numpy without it
             placeholders.append(np.zeros((), dtype=dt) if not shape else np.empty(0, dtype=dt))
     chunks: dict[int, list[Any]] = {}
     for c in [*local, *remote]:
