@@ -1001,7 +1001,8 @@ def _read_chunked_container(
             np: Any = getattr(serialization, "np", None)  # _check_entry refused numpy without it
             placeholders.append(np.zeros((), dtype=dt) if not shape else np.empty(0, dtype=dt))
     chunks: dict[int, list[Any]] = {}
-    for c in [*local, *remote]:
+    every: list[Any] = [*local, *remote]  # serialization._Local | serialization._Remote
+    for c in every:
         chunks.setdefault(c.array, []).append(c)
     for members in chunks.values():
         members.sort(key=lambda c: c.offset if isinstance(c, serialization._Local) else c.at)
