@@ -293,7 +293,7 @@ def plan_gc(
         if parsed_key is not None:
             referenced.add(parsed_key[:2])
     unreadable_steps = {step for _, step in unreadable}
-    for prefix in store.list_prefixes(layout.DATA_PREFIX):
+    for prefix in _attempt_prefixes(store):
         parsed = layout.parse_attempt_prefix(prefix)
         if parsed is None:
             plan.notes.append(f"{prefix}: not an objckpt attempt prefix")
@@ -450,3 +450,15 @@ def retain(
     except Exception as exc:  # noqa: BLE001 - the save is committed whatever happens here
         log.warning("retention under %s failed (checkpoints are intact): %s", store.location, exc)
         return None
+
+
+def _attempt_prefixes(store: Store) -> list[str]:
+    """Every prefix one level below ``data/`` that may be an attempt's, and below each spread
+    prefix ``data/<spread>/`` (layout.py) the attempt prefixes there: both layouts."""
+    out: list[str] = []
+    for prefix in store.list_prefixes(layout.DATA_PREFIX):
+        if layout.is_spread_prefix(prefix):
+            out.extend(store.list_prefixes(prefix))
+        else:
+            out.append(prefix)
+    return out
