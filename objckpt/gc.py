@@ -18,6 +18,7 @@ always younger. Incomplete multipart uploads are aborted under the same grace pe
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
@@ -454,11 +455,13 @@ def retain(
 
 def _attempt_prefixes(store: Store) -> list[str]:
     """Every prefix one level below ``data/`` that may be an attempt's, and below each spread
-    prefix ``data/<spread>/`` (layout.py) the attempt prefixes there: both layouts."""
-    out: list[str] = []
-    for prefix in store.list_prefixes(layout.DATA_PREFIX):
-        if layout.is_spread_prefix(prefix):
-            out.extend(store.list_prefixes(prefix))
-        else:
-            out.append(prefix)
+    prefix ``data/<spread>/`` (layout.py) the attempt prefixes there: both layouts. The (up to
+    256) spread prefixes are listed 16 at a time."""
+    top = store.list_prefixes(layout.DATA_PREFIX)
+    spread = [p for p in top if layout.is_spread_prefix(p)]
+    out = [p for p in top if not layout.is_spread_prefix(p)]
+    if spread:
+        with ThreadPoolExecutor(min(16, len(spread)), thread_name_prefix="objckpt-gc") as pool:
+            for below in pool.map(store.list_prefixes, spread):
+                out.extend(below)
     return out

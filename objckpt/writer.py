@@ -87,8 +87,13 @@ class ShardWriter:
         source: BytesSource,
         *,
         progress: Callable[[int], None] | None = None,
+        size: int | None = None,
     ) -> ShardReceipt:
         """Stream ``source`` (bytes, an iterable of buffers, or a binary file) into shard ``name``.
+
+        ``size``: the shard's size when the caller knows it (a bytes-like source says it
+        itself): the part size then follows it (``Store.part_size_for``: S3's 10,000-part limit,
+        >= 32 MiB parts for big shards), unless this writer was given a ``part_size``.
 
         Atomicity: the shard appears whole or not at all; it is created only if absent, so an
         existing object is never replaced. On failure a multipart upload is aborted and the
@@ -102,7 +107,9 @@ class ShardWriter:
             ValueError: ``name`` is not a valid shard name.
         """
         key = self.key_for(name)
-        part_size = self.part_size or self.store.part_size
+        if size is None and isinstance(source, (bytes, bytearray, memoryview)):
+            size = memoryview(source).nbytes
+        part_size = self.part_size or self.store.part_size_for(size)
         crc = Crc32c()
         digest = hashlib.sha256() if self.sha256 else None
         counted = [0]

@@ -220,7 +220,8 @@ def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = N
         source: Iterable[memoryview] = encoded.buffers()
         if abandon is not None:
             source = _abortable(source, abandon)
-        receipt = writer.write(name, source, progress=progress)
+        # a chunked shard's layout follows the writer's part size: only a plain one tells its size
+        receipt = writer.write(name, source, progress=progress, size=None if chunked else encoded.size)
         written += receipt.size
         if chunked:
             used |= encoded.used
