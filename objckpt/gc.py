@@ -457,9 +457,10 @@ def _attempt_prefixes(store: Store) -> list[str]:
     """Every prefix one level below ``data/`` that may be an attempt's, and below each spread
     prefix ``data/<spread>/`` (layout.py) the attempt prefixes there: both layouts. The (up to
     256) spread prefixes are listed 16 at a time."""
-    top = store.list_prefixes(layout.DATA_PREFIX)
-    spread = [p for p in top if layout.is_spread_prefix(p)]
-    out = [p for p in top if not layout.is_spread_prefix(p)]
+    spread: list[str] = []
+    out: list[str] = []
+    for prefix in store.list_prefixes(layout.DATA_PREFIX):
+        (spread if layout.is_spread_prefix(prefix) else out).append(prefix)
     if spread:
         with ThreadPoolExecutor(min(16, len(spread)), thread_name_prefix="objckpt-gc") as pool:
             for below in pool.map(store.list_prefixes, spread):

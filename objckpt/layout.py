@@ -217,10 +217,10 @@ def parse_shard_key(key: str) -> tuple[int, str, int, str] | None:
 
 def is_shard_key_of(key: str, step: int, attempt: str, rank: int, name: str) -> bool:
     """Is ``key`` the key of shard ``name`` of ``rank`` in this attempt, in either layout?"""
-    return key in (
-        shard_key(step, attempt, rank, name),
-        shard_key(step, attempt, rank, name, spread=True),
-    )
+    plain = shard_key(step, attempt, rank, name)  # validates every part
+    if key == plain:
+        return True
+    return key == f"{DATA_PREFIX}{spread_of(step, attempt, rank)}/{plain[len(DATA_PREFIX) :]}"
 
 
 def attempt_prefix_of(key: str) -> str | None:
