@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -532,6 +532,35 @@ class Store(ABC):
         # One chunk is returned as is (bytes.join of a single bytes object does not copy).
         return b"".join(self._open(key, start, end))
 
+    def get_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> int:
+        """Read bytes ``[start, start + total)`` of the object straight into ``buffers`` (writable,
+        filled in order, ``total`` their summed size): one request, retried whole on a transient
+        error. Returns how many bytes were read, fewer only where the object ends first.
+
+        Backends that can receive into memory (file:// ``preadv``, S3 ``readinto``) do so;
+        the default copies each chunk of :meth:`_open` once into place.
+
+        Raises:
+            NotFoundError: no such key.
+            InvalidKeyError: ``key`` breaks the key rule (no request made).
+        """
+        self.check_key(key, "get")
+        if start < 0:
+            raise ValueError(f"bad start {start} for key {key!r}")
+        views = [memoryview(b).cast("B") for b in buffers]
+        if not any(v.nbytes for v in views):
+            return 0
+        return int(self._call(self._read_into, key, start, views))
+
+    def _read_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        """Fill ``buffers`` from ``[start, start + total)``; a backend overrides this to read
+        into them without an intermediate chunk."""
+        total = sum(b.nbytes for b in buffers)
+        fill = _Scatter(buffers)
+        for chunk in self._open(key, start, start + total):
+            fill.write(memoryview(chunk).cast("B"))
+        return fill.filled
+
     def get_stream(
         self,
         key: str,
@@ -792,6 +821,42 @@ def _iter_file_parts(fileobj: IO[bytes], part_size: int) -> Iterator[memoryview]
             yield memoryview(buf)[:filled]
         if filled < part_size:
             return
+
+
+class _Scatter:
+    """Copies a stream of chunks into consecutive buffers (the default ``get_into``)."""
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        self._buffers = [b for b in buffers if b.nbytes]
+        self._index = 0
+        self._pos = 0
+        self.filled = 0
+
+    def write(self, chunk: memoryview) -> None:
+        taken = 0
+        while taken < chunk.nbytes and self._index < len(self._buffers):
+            dest = self._buffers[self._index]
+            n = min(dest.nbytes - self._pos, chunk.nbytes - taken)
+            dest[self._pos : self._pos + n] = chunk[taken : taken + n]
+            taken += n
+            self._pos += n
+            self.filled += n
+            if self._pos == dest.nbytes:
+                self._index += 1
+                self._pos = 0
+
+
+def advance(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """``buffers`` with their first ``n`` bytes dropped (after a short vectored read/write)."""
+    out = list(buffers)
+    while n and out:
+        if n >= out[0].nbytes:
+            n -= out[0].nbytes
+            out.pop(0)
+        else:
+            out[0] = out[0][n:]
+            n = 0
+    return [b for b in out if b.nbytes]
 
 
 def _chain(head: list[memoryview], rest: Iterator[memoryview]) -> Iterator[memoryview]:

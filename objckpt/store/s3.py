@@ -844,6 +844,34 @@ class S3Store(Store):
             )
         return data
 
+    def _read_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        # One ranged GET whose body the socket reads straight into the buffers (readinto): no
+        # bytes object per chunk, no join.
+        total = sum(b.nbytes for b in buffers)
+        try:
+            resp = self._request(
+                "get", key, self._client.get_object, Key=key, Range=f"bytes={start}-{start + total - 1}"
+            )
+        except StoreError as exc:
+            if _is_invalid_range(exc):
+                return 0  # starts at or past the end
+            raise
+        body = resp["Body"]
+        filled = 0
+        try:
+            for buf in buffers:
+                pos = 0
+                while pos < buf.nbytes:
+                    with self._mapped("get", key):
+                        n = body.readinto(buf[pos:])
+                    if not n:
+                        return filled
+                    pos += n
+                    filled += n
+            return filled
+        finally:
+            body.close()
+
     def _head(self, key: str) -> ObjectMeta:
         """HeadObject with checksum mode on; ``crc32c`` is the full-object value or ``None``."""
         try:
