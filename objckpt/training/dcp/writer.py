@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..._crc import Crc32c, crc32c_b64
+from ..._crc import crc32c_b64, encode_crc32c
 from ...coordination.comm import LocalComm
 from ...coordination.roots import open_root
 from ...coordination.save import SaveSession
@@ -43,6 +43,7 @@ from ...manifest import Reference
 from ...metrics import CheckpointMetrics
 from ...reader import Reader
 from ...store import Store
+from ...store.base import StreamChecksums
 from ...writer import ShardWriter
 from .. import dedup
 from ._metadata import (
@@ -285,7 +286,19 @@ class ObjckptStorageWriter(StorageWriter):
         for number, items in enumerate(self._split(plan.items)):
             name = _DATA_SHARD.format(number)
             locations: list[tuple[WriteItem, _ItemLocation]] = []
-            receipt = writer.write(name, self._stream(name, items, planner, locations))
+            sums = StreamChecksums()
+            # borrow: the yielded buffers are the items' own memory, alive until write returns
+            receipt = writer.write(
+                name, self._stream(name, items, planner, locations), checksums=sums, borrow=True
+            )
+            # each item's CRC32C comes from the upload's one pass (each yielded buffer is one item)
+            sent = iter(sums.chunks)
+            for i, (item, loc) in enumerate(locations):
+                if loc.origin is None:
+                    crc, size = next(sent) if loc.length else (0, 0)
+                    if size != loc.length:
+                        raise CommitError(f"{item.index.fqn}: streamed {size} bytes, expected {loc.length}")
+                    locations[i] = (item, dataclasses.replace(loc, crc32c=encode_crc32c(crc)))
             for item, loc in locations:
                 loc = dataclasses.replace(loc, receipt=None if loc.origin is not None else receipt)
                 results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
@@ -357,7 +370,6 @@ class ObjckptStorageWriter(StorageWriter):
     ) -> Iterator[memoryview]:
         for item in items:
             data = planner.resolve_data(item)
-            crc = Crc32c()
             if item.type == WriteItemType.BYTE_IO:
                 if not isinstance(data, io.BytesIO):
                     raise TypeError(
@@ -400,10 +412,10 @@ class ObjckptStorageWriter(StorageWriter):
                     _dtype_name(data.dtype),
                     tuple(int(s) for s in data.shape),
                 )
-            crc.update(view)
-            out.append((item, dataclasses.replace(loc, crc32c=crc.b64)))
+            # the CRC32C is filled in from the upload's own pass (write_data): not hashed here
+            out.append((item, loc))
             if pool is not None and loc.kind == "tensor":
-                loc = dataclasses.replace(loc, crc32c=crc.b64, sample=sample, hash=digest)
+                loc = dataclasses.replace(loc, sample=sample, hash=digest)
                 out[-1] = (item, loc)
                 if digest is None and (cand is None or cand.length != view.nbytes):
                     hashing.append((len(out) - 1, pool.submit(dedup.chunk_hash, view)))
