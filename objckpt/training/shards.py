@@ -214,7 +214,10 @@ def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = N
         source: Iterable[memoryview] = encoded.buffers()
         if abandon is not None:
             source = _abortable(source, abandon)
-        receipt = writer.write(name, source, progress=progress)
+        # borrow: every buffer the encoder yields stays alive and unchanged until the write
+        # returns (views of the captured tensors, fresh header and compressed bytes), so parts
+        # that straddle them are sent as views instead of being assembled by copying
+        receipt = writer.write(name, source, progress=progress, borrow=True)
         written += receipt.size
         if chunked:
             used |= encoded.used
