@@ -88,14 +88,14 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, Series | None, str, bo
     asy = results.get("async", {})
     manager = asy.get("cases", {}).get("manager", [])
     blocking = [r["blocked_s"] for r in manager]
-    total = [r["total_s"] for r in manager]
     out.append((
         "`save_async` blocking (file://)", "`copy_` into preallocated buffers (memcpy floor)",
         _pairs(blocking, asy.get("memcpy_floor_s", [])) if blocking else None, "<= 1.05", False,
     ))  # fmt: skip
+    # start to commit from the S3 leg: no training loop competes there, as in a sync save
     out.append((
-        "`save_async` start to commit (file://)", "the same sync save",
-        _pairs(total, asy.get("sync_save_s", [])) if total else None, "<= 1.1", False,
+        "`save_async` start to commit, 1 rank, S3", "the same sync save",
+        s3(1, "save", "objckpt", "objckpt_async"), "<= 1.1", False,
     ))  # fmt: skip
     # client CPU of rank 0: objckpt / bare GETs
     cpu = s3(1, "load", "raw", "dcp_objckpt", which=1)
