@@ -5,7 +5,9 @@ One process, same directory tree (same disk), interleaved runs with the order al
 * ``objckpt``: ``CheckpointManager("file:///...").save`` / ``.restore`` (fsync'd, CRC32C on every
   part and on read, commit protocol included);
 * ``dcp_fs``: ``dcp.save(model.state_dict(), storage_writer=FileSystemWriter(dir, thread_count=N))``
-  (``sync_files=True``, its default) / ``dcp.load`` with ``FileSystemReader``.
+  (``sync_files=True``, its default) / ``dcp.load`` with ``FileSystemReader``;
+* ``dcp_objckpt``: the same ``dcp.save``/``dcp.load`` with ``ObjckptStorageWriter``/``Reader`` on
+  ``file://`` (``dedup=False``): same planner as ``dcp_fs``, only the storage layer differs.
 
 Loads read what the same run just wrote, so both come from the page cache: this compares the
 software paths, not the disk. Results as JSON (``--out``) and printed.
@@ -43,7 +45,7 @@ def bench(total: int, n_tensors: int, runs: int, dcp_threads: int, root: Path) -
     model = make_model(total, n_tensors)
     fp = fingerprint(model)
     times: dict[str, dict[str, list[list[float]]]] = {
-        c: {"save": [], "load": []} for c in ("objckpt", "dcp_fs")
+        c: {"save": [], "load": []} for c in ("objckpt", "dcp_fs", "dcp_objckpt")
     }
 
     def objckpt(op: str, run: int, d: Path) -> None:
@@ -69,9 +71,28 @@ def bench(total: int, n_tensors: int, runs: int, dcp_threads: int, root: Path) -
             )
             assert fingerprint(model) == fp, "DCP file load returned other content"
 
-    cases = {"objckpt": objckpt, "dcp_fs": dcp_fs}
+    def dcp_objckpt(op: str, run: int, d: Path) -> None:
+        from objckpt.training.dcp import ObjckptStorageReader, ObjckptStorageWriter
+
+        if op == "save":
+            w = ObjckptStorageWriter(f"file://{d}", step=run + 2, dedup=False)
+            times["dcp_objckpt"]["save"].append(
+                list(timed(lambda: dcp.save(model.state_dict(), storage_writer=w)))
+            )
+            w.close()
+        else:
+            zero(model)
+            r = ObjckptStorageReader(f"file://{d}")
+            times["dcp_objckpt"]["load"].append(
+                list(timed(lambda: dcp.load(model.state_dict(), storage_reader=r)))
+            )
+            r.close()
+            assert fingerprint(model) == fp, "objckpt DCP file:// load returned other content"
+
+    cases = {"objckpt": objckpt, "dcp_fs": dcp_fs, "dcp_objckpt": dcp_objckpt}
     for run in range(-1, runs):  # run -1: warm-up, untimed
-        order = list(cases) if run % 2 == 0 else list(cases)[::-1]
+        names = list(cases)
+        order = names[run % len(names) :] + names[: run % len(names)]  # rotates each run
         dirs = {c: root / f"{c}-{run + 1}" for c in cases}
         keep = {c: {"save": list(times[c]["save"]), "load": list(times[c]["load"])} for c in cases}
         for op in ("save", "load"):
@@ -112,12 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, res)
     t = res["times"]
     for op in ("save", "load"):
-        ours = [w for w, _ in t["objckpt"][op]]
         base = [w for w, _ in t["dcp_fs"][op]]
-        print(
-            f"{op}: objckpt {Series(ours).fmt(2, 's')}  dcp {Series(base).fmt(2, 's')}  "
-            f"speed ratio {paired_ratios(base, ours).fmt(2, 'x')}"
-        )
+        for case in ("objckpt", "dcp_objckpt"):
+            ours = [w for w, _ in t[case][op]]
+            print(
+                f"{op}: {case} {Series(ours).fmt(2, 's')}  dcp {Series(base).fmt(2, 's')}  "
+                f"speed ratio {paired_ratios(base, ours).fmt(2, 'x')}"
+            )
     return 0
 
 

@@ -1,7 +1,8 @@
 """Run every objckpt benchmark, print the table, write it into ``BENCHMARKS.md``.
 
-    .venv/bin/python -m benchmarks.run            # full: 512 MiB state, ~30-40 min here
-    .venv/bin/python -m benchmarks.run --quick    # smoke: 64 MiB state, a few minutes
+    .venv/bin/python -m benchmarks.run            # full: 512 MiB state (the report says how long it took)
+    .venv/bin/python -m benchmarks.run --quick    # smoke: 64 MiB state
+    pip install -e '.[bench]'                     # the peers (s3fs, s3torchconnector), pinned
     python benchmarks/run.py --quick --skip moto  # also works as a script
 
 Legs (see each module's docstring for exactly what is timed):
@@ -11,9 +12,13 @@ Legs (see each module's docstring for exactly what is timed):
 2. the same runs: vs DCP + ``FsspecWriter``/``FsspecReader`` over s3fs (goal >= 1.5) and vs DCP +
    s3torchconnector's ``S3StorageWriter``/``S3StorageReader`` (goal >= 1.0);
 3. ``file_bench``: ``file://`` vs DCP ``FileSystemWriter``/``FileSystemReader`` (goal >= 1.0);
-4. async save (``CheckpointManager.save_async``) when it exists;
+4. async save (``CheckpointManager.save_async``) and ``async_bench``: training-step slowdown of a
+   toy CPU loop while a save is in flight, thread uploader vs DCP's checkpoint process;
 5. ``mem_bench``: peak extra memory of a save against the state size;
-6. ``resolve_bench``: requests and time of resolve-latest vs number of checkpoints.
+6. ``resolve_bench``: requests and time of resolve-latest vs number of checkpoints;
+7. ``gpu_bench``: CUDA staging and ``save_async`` blocking (skipped, with the reason, without CUDA);
+8. the issue-14 table (``scoreboard``): every path against its peer, DCP-vs-DCP rows included
+   (case ``dcp_objckpt``: the same DCP planner, only the storage layer differs).
 
 The S3 legs run on LocalStack (when ``scripts/localstack.sh`` has installed it) and on moto.
 Every ratio is a speed ratio, baseline time / objckpt time, computed per run from interleaved
@@ -152,6 +157,20 @@ def file_leg(mode: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+def async_leg(mode: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    import subprocess
+
+    out = out_dir / "async.json"
+    out.unlink(missing_ok=True)
+    log(f"async leg (toy training loop), {mode['file_mib']} MiB, {mode['runs']} runs")
+    cmd = [sys.executable, "-W", "ignore", "-m", "benchmarks.async_bench", "--mib", str(mode["file_mib"])]
+    cmd += ["--runs", str(mode["runs"]), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3000)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": (proc.stdout + proc.stderr)[-3000:]}
+    return json.loads(out.read_text())
+
+
 def mem_leg(mode: dict[str, Any], s3_kind: str | None, endpoint: str | None) -> list[dict[str, Any]]:
     from benchmarks.mem_bench import measure
 
@@ -198,7 +217,7 @@ def _met(ratio: Series, goal: float) -> str:
 
 def render(results: dict[str, Any]) -> str:
     mode = results["mode"]
-    cfg = MODES[mode]
+    cfg = results.get("params") or MODES[mode]  # what this run used (--mib/--runs override)
     lines: list[str] = []
     add = lines.append
     add(f"Run {results['started']} UTC, `{results['command']}`, {results['elapsed_s'] / 60:.1f} min.")
@@ -315,11 +334,25 @@ def render(results: dict[str, Any]) -> str:
         why = ""
         if asy:
             why = (asy[1].get("errors") or {}).get("objckpt_async", "")
+        add(f"S3 `save_async` not measured in this run: {why or 'the S3 leg did not run'}.")
+    add("")
+    add("Training-step slowdown while a save is in flight (file://, toy CPU MLP loop, one torch thread):")
+    add("")
+    a = results.get("async", {})
+    if "cases" in a:
         add(
-            f"**Not measured yet**: {why or '`CheckpointManager.save_async` does not exist in this tree'}."
-            " The harness (`s3_bench` case `objckpt_async`) times it as soon as it does: the "
-            "blocking part (call to return) and the total (to committed) against a sync save."
+            f"{a['mib']} MiB state; memcpy floor {Series(a['memcpy_floor_s']).fmt(3, ' s')}, sync save {Series(a['sync_save_s']).fmt(2, ' s')}."
         )
+        add("")
+        add("| uploader | step time during save / without | blocking s | start to commit s |")
+        add("|---|---|---|---|")
+        for case, rows in a["cases"].items():
+            add(
+                f"| {case} | {Series([r['slowdown'] for r in rows]).fmt(2, 'x')} | "
+                f"{Series([r['blocked_s'] for r in rows]).fmt(3)} | {Series([r['total_s'] for r in rows]).fmt(2)} |"
+            )
+    else:
+        add(f"not measured: {a.get('error', 'leg skipped')[:600]}")
     add("")
 
     # -- 5: memory
@@ -371,9 +404,18 @@ def render(results: dict[str, Any]) -> str:
         add("")
         add("| checkpoints | LATEST pointer | requests | by op | time s | goal | met |")
         add("|---|---|---|---|---|---|---|")
+        # invariant 10: the request count does not grow with the number of old checkpoints
+        # (a listing page holds 1,000 keys, so without a pointer one more page per 1,000)
+        first = {}
         for r in rs["rows"]:
-            ok = r["requests"] <= 3 if r["case"] == "pointer" else r["requests"] <= 2 + -(-r["n"] // 1000)
-            goal = "3 requests, constant" if r["case"] == "pointer" else "2 + ceil(N/1000)"
+            first.setdefault(r["case"], r)
+        for r in rs["rows"]:
+            base = first[r["case"]]
+            if r["case"] == "pointer":
+                ok, goal = r["requests"] == base["requests"], "constant in N"
+            else:
+                pages = -(-r["n"] // 1000) - -(-base["n"] // 1000)
+                ok, goal = r["requests"] <= base["requests"] + pages, "+1 per 1,000 checkpoints at most"
             add(
                 f"| {r['n']} | {'present' if r['case'] == 'pointer' else 'missing'} | {r['requests']} | "
                 f"{json.dumps(r['by_op'], sort_keys=True)} | {Series(r['seconds']).fmt(4)} | {goal} | "
@@ -381,6 +423,22 @@ def render(results: dict[str, Any]) -> str:
             )
     else:
         add(f"error: {rs.get('error', 'not run')[:1500]}")
+    add("")
+    # -- 7: GPU
+    add("### 7. GPU: pinned staging and `save_async` blocking on CUDA tensors")
+    add("")
+    from benchmarks.gpu_bench import summary as gpu_summary
+
+    g = results.get("gpu") or {"skipped": "leg not run"}
+    add("; ".join(gpu_summary(g)) + ".")
+    add("")
+
+    # -- 8: the issue's table
+    from benchmarks.scoreboard import render as scoreboard
+
+    add("### 8. Issue 14 table: every path against its peer, this run")
+    add("")
+    lines.extend(scoreboard(results))
     add("")
     return "\n".join(lines)
 
@@ -417,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         "--skip",
         action="append",
         default=[],
-        choices=["localstack", "moto", "file", "memory", "resolve"],
+        choices=["localstack", "moto", "file", "memory", "resolve", "async", "gpu"],
         help="leave a leg out (repeatable)",
     )
     ap.add_argument("--localstack-endpoint", help="use a running LocalStack")
@@ -439,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine_info(),
+        "params": mode,
         "s3": [],
     }
     endpoints = {"localstack": args.localstack_endpoint, "moto": args.moto_endpoint}
@@ -460,6 +519,16 @@ def main(argv: list[str] | None = None) -> int:
             results["s3"].append({"server": kind, "error": f"{type(exc).__name__}: {exc}"})
     if "file" not in args.skip:
         results["file"] = file_leg(mode, out_dir)
+    if "async" not in args.skip:
+        results["async"] = async_leg(mode, out_dir)
+    if "gpu" not in args.skip:
+        from benchmarks.gpu_bench import bench as gpu_bench
+
+        try:
+            results["gpu"] = gpu_bench(mode["file_mib"], max(3, mode["runs"]))
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            traceback.print_exc()
+            results["gpu"] = {"skipped": f"failed: {type(exc).__name__}: {exc}"}
     first = servers[0] if servers else None
     if "memory" not in args.skip:
         try:

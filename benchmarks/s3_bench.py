@@ -16,6 +16,9 @@ rank) and, interleaved run by run (the order rotates each run), time:
 ``dcp_s3fs``    ``torch.distributed.checkpoint`` with ``FsspecWriter``/``FsspecReader`` over s3fs
 ``s3tc``        ``torch.distributed.checkpoint`` with s3torchconnector's ``S3StorageWriter`` /
                 ``S3StorageReader`` (CRT client, ``force_path_style=True``)
+``dcp_objckpt`` ``torch.distributed.checkpoint`` with objckpt's ``ObjckptStorageWriter`` /
+                ``ObjckptStorageReader`` (``dedup=False``): the same DCP planner as ``dcp_s3fs``
+                and ``s3tc``, only the storage layer differs (the head-to-head leg)
 ==============  ============================================================================
 
 A time is barrier-to-barrier on rank 0 (so the slowest rank counts). Each load is checked
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -49,7 +53,7 @@ from benchmarks.common import (
     zero,
 )
 
-CASES = ("objckpt", "raw", "dcp_s3fs", "s3tc")
+CASES = ("objckpt", "raw", "dcp_s3fs", "s3tc", "dcp_objckpt")
 REGION = "us-east-1"
 
 
@@ -66,7 +70,12 @@ def run_world(cfg: dict[str, Any], *, timeout: float) -> dict[str, Any]:
     cfg_path = out.with_suffix(".cfg.json")
     cfg_path.write_text(json.dumps(cfg))
     env = child_env(
-        {"AWS_ENDPOINT_URL": cfg["endpoint"], "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+        {
+            "AWS_ENDPOINT_URL": cfg["endpoint"],
+            # the repo first, then whatever the caller had (e.g. where the `bench` peers live)
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+            "PYTHONWARNINGS": "ignore",
+        }
     )
     logs = [out.with_suffix(f".rank{r}.log") for r in range(cfg["world_size"])]
     procs = []
@@ -276,6 +285,23 @@ class Bench:
         reader = S3StorageReader(REGION, path, s3client_config=S3ClientConfig(force_path_style=True))
         return None, (lambda: dcp.load(self.model.state_dict(), storage_reader=reader))
 
+    # -- DCP + objckpt (same planner as the DCP peers: storage only differs)
+    def dcp_objckpt_save(self, run: int) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        from objckpt.training.dcp import ObjckptStorageWriter
+
+        writer = ObjckptStorageWriter(self._store(run, "dcp_objckpt"), step=run + 1, dedup=False)
+        return writer, (lambda: dcp.save(self.model.state_dict(), storage_writer=writer))
+
+    def dcp_objckpt_load(self, run: int) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        from objckpt.training.dcp import ObjckptStorageReader
+
+        reader = ObjckptStorageReader(self._store(run, "dcp_objckpt"))
+        return reader, (lambda: dcp.load(self.model.state_dict(), storage_reader=reader))
+
     # -- objckpt async save (CheckpointManager.save_async, when it exists)
     def objckpt_async_save(self, run: int) -> Any:
         from objckpt.training.manager import CheckpointManager
@@ -296,6 +322,8 @@ class Bench:
     # -- driver
     def one(self, case: str, op: str, run: int) -> tuple[float, float] | None:
         """Time one case/op (None if the case already failed; its error is kept)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         if case in self.errors or not hasattr(self, f"{case}_{op}"):
             return None
         res: Any = None
@@ -309,7 +337,8 @@ class Bench:
                 if got != self.fp:
                     raise AssertionError(f"{case} load returned different content")
             return t
-        except Exception as exc:  # noqa: BLE001 - recorded, the case is skipped from then on
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - recorded, the case is skipped from then on
+            # (DCP's CheckpointException is a BaseException: a failing DCP peer must not kill the world)
             self.errors[case] = f"{op}: {type(exc).__name__}: {exc}".strip()[:2000]
             traceback.print_exc()
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import struct
+from collections.abc import Iterable
 from typing import Any, Union
 
 import google_crc32c  # hardware-accelerated C implementation; pure-Python fallback built in
@@ -76,3 +77,67 @@ class Crc32c:
     @property
     def b64(self) -> str:
         return encode_crc32c(self.value)
+
+
+# --------------------------------------------------------------------------- combine
+#
+# crc(A || B) from crc(A), crc(B) and len(B), without reading A or B again: the algorithm of
+# zlib's crc32_combine (1.2.12+), over the reflected Castagnoli polynomial. Appending len(B)
+# zero bytes to A multiplies its CRC by x^(8 len(B)) modulo P; the powers x^(2^k) mod P are
+# tabulated once, so a combine costs O(log len) carry-less products of 32-bit values.
+
+_POLY = 0x82F63B78  # CRC32C, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo P(x), both reflected."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _power_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(64):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _power_table()  # _X2N[k] = x^(2^k) mod P
+
+
+def _x8nmodp(n: int) -> int:
+    """x^(8n) mod P: the factor that shifts a CRC past n zero bytes."""
+    p, k = 1 << 31, 3  # x^0; start at x^(2^3) = one byte
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 63], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC32C of ``A || B`` given ``crc(A)``, ``crc(B)`` and ``len(B)``; no byte is read."""
+    if len_b < 0:
+        raise ValueError(f"negative length {len_b}")
+    if len_b == 0:
+        return crc_a
+    return _multmodp(_x8nmodp(len_b), crc_a) ^ crc_b
+
+
+def crc32c_concat(pieces: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """``(crc, size)`` of the concatenation of pieces given as ``(crc, size)``, in order."""
+    crc = size = 0
+    for piece_crc, piece_size in pieces:
+        crc = crc32c_combine(crc, piece_crc, piece_size)
+        size += piece_size
+    return crc, size

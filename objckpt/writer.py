@@ -16,10 +16,10 @@ import threading
 from collections.abc import Callable, Iterator
 
 from . import layout
-from ._crc import Crc32c
+from ._crc import Buffer
 from .errors import ChecksumMismatchError, NotSupportedError
 from .manifest import ShardReceipt
-from .store.base import BytesSource, PutMode, Store, iter_parts
+from .store.base import BytesSource, PutMode, Store, StreamChecksums
 
 __all__ = ["ShardWriter"]
 
@@ -88,12 +88,16 @@ class ShardWriter:
         *,
         progress: Callable[[int], None] | None = None,
         size: int | None = None,
+        checksums: StreamChecksums | None = None,
+        borrow: bool = False,
     ) -> ShardReceipt:
         """Stream ``source`` (bytes, an iterable of buffers, or a binary file) into shard ``name``.
 
         ``size``: the shard's size when the caller knows it (a bytes-like source says it
         itself): the part size then follows it (``Store.part_size_for``: S3's 10,000-part limit,
         >= 32 MiB parts for big shards), unless this writer was given a ``part_size``.
+        ``checksums`` / ``borrow``: as :meth:`Store.put_stream` (each source buffer's CRC32C,
+        from the one pass that also gives the shard's; zero-copy parts over live buffers).
 
         Atomicity: the shard appears whole or not at all; it is created only if absent, so an
         existing object is never replaced. On failure a multipart upload is aborted and the
@@ -110,44 +114,44 @@ class ShardWriter:
         if size is None and isinstance(source, (bytes, bytearray, memoryview)):
             size = memoryview(source).nbytes
         part_size = self.part_size or self.store.part_size_for(size)
-        crc = Crc32c()
+        sums = checksums if checksums is not None else StreamChecksums()
         digest = hashlib.sha256() if self.sha256 else None
-        counted = [0]
 
-        def parts() -> Iterator[memoryview]:
-            # Checksum each part as it goes by, without buffering more than the store does:
-            # iter_parts is zero-copy for parts that lie inside one source buffer.
-            for part in iter_parts(source, part_size):
-                crc.update(part)
-                if digest is not None:
-                    digest.update(part)
-                counted[0] += 1
-                yield part
+        def hashed(chunks: Iterator[Buffer]) -> Iterator[Buffer]:
+            for chunk in chunks:
+                assert digest is not None
+                digest.update(chunk)
+                yield chunk
 
+        # put_stream hashes each byte once (CRC32C per piece, combined per part and for the
+        # whole shard): nothing here hashes the bytes again
         meta = self.store.put_stream(
             key,
-            parts(),
+            hashed(_buffers(source)) if digest is not None else source,
             mode=PutMode.CREATE,  # invariant 1: never overwrite a shard
             part_size=part_size,
             max_in_flight=self.max_in_flight,
             progress=progress,
+            checksums=sums,
+            borrow=borrow,
         )
+        crc_b64 = sums.b64
         # End-to-end check: what the store says it stored is what we streamed.
-        if meta.size != crc.size or (meta.crc32c is not None and meta.crc32c != crc.b64):
+        if meta.size != sums.size or (meta.crc32c is not None and meta.crc32c != crc_b64):
             raise ChecksumMismatchError(
                 f"store reports size {meta.size} / CRC32C {meta.crc32c} for a shard streamed as "
-                f"{crc.size} bytes / {crc.b64}",
+                f"{sums.size} bytes / {crc_b64}",
                 key=key,
                 location=self.store.location,
             )
         receipt = ShardReceipt(
             key=key,
-            size=crc.size,
+            size=sums.size,
             version=meta.version,
-            crc32c=crc.b64,
+            crc32c=crc_b64,
             rank=self.rank,
             name=name,
-            parts=max(1, counted[0]),
+            parts=max(1, sums.parts),
             sha256=digest.hexdigest() if digest is not None else None,
         )
         with self._lock:
@@ -159,3 +163,14 @@ class ShardWriter:
         """Receipts of every shard written so far, in write order (a copy)."""
         with self._lock:
             return list(self._receipts)
+
+
+def _buffers(source: BytesSource) -> Iterator[Buffer]:
+    """``source`` as buffers (for the optional SHA-256 pass), without re-chunking it."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        yield source
+    elif hasattr(source, "read"):
+        while chunk := source.read(1 << 20):
+            yield chunk
+    else:
+        yield from source

@@ -53,8 +53,10 @@ _by_object: weakref.WeakKeyDictionary[Store, Position] = weakref.WeakKeyDictiona
 
 def _target(store: Store) -> tuple[Store | None, str]:
     inner = store
-    while getattr(inner, "inner", None) is not None:
-        inner = inner.inner  # type: ignore[attr-defined]  # wrappers name the run root they wrap
+    # a wrapper that keeps its store's run root (counting, faults) shares its entry; one that
+    # names another root (a PrefixStore: every s3:// run root over one bucket client) does not
+    while getattr(inner, "inner", None) is not None and inner.inner.location == inner.location:  # type: ignore[attr-defined]
+        inner = inner.inner  # type: ignore[attr-defined]
     location = str(inner.location)
     return (inner if location.startswith("memory://") else None), location
 

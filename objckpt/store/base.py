@@ -33,14 +33,14 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union, cast
 
-from .._crc import Buffer, Crc32c, crc32c_b64, encode_crc32c
+from .._crc import Buffer, Crc32c, crc32c_b64, crc32c_combine, crc32c_of, encode_crc32c
 from .._retry import RetryPolicy
 from ..errors import (
     AlreadyExistsError,
@@ -188,6 +188,23 @@ class PartResult:
     size: int
     crc32c: str
     token: Any = None  # e.g. the S3 part ETag or the GCS temporary object name
+
+
+@dataclass
+class StreamChecksums:
+    """What ``put_stream`` hashed while sending, from one CRC32C pass over each byte: every
+    source buffer's ``(crc, size)`` in order (``chunks``), the whole object's ``crc``/``size``
+    and the number of ``parts``. Part and whole values are combined from the pieces' CRCs
+    (:func:`~objckpt._crc.crc32c_combine`), never by hashing the bytes again."""
+
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    crc: int = 0
+    size: int = 0
+    parts: int = 0
+
+    @property
+    def b64(self) -> str:
+        return encode_crc32c(self.crc)
 
 
 def key_problem(key: object) -> str | None:
@@ -348,6 +365,21 @@ class Store(ABC):
     ) -> PartResult:
         """Upload one part; the server verifies ``crc32c`` (:class:`ChecksumMismatchError`)."""
 
+    def _upload_part_buffers(
+        self, handle: UploadHandle, part_number: int, offset: int, buffers: list[memoryview], crc32c: str
+    ) -> PartResult:
+        """Upload one part given as consecutive buffers whose CRC32C ``put_stream`` computed from
+        these very buffers. A backend that can send several buffers as one body (file://
+        ``pwritev``, S3's streamed body) overrides this; the default joins them (one copy) for
+        :meth:`_upload_part`."""
+        return self._upload_part(handle, part_number, offset, _joined(buffers), crc32c)
+
+    def _put_buffers(self, key: str, buffers: list[memoryview], mode: PutMode, crc32c: str) -> ObjectMeta:
+        """:meth:`_put` of consecutive buffers whose CRC32C the caller computed from them; the
+        default joins them (one copy). file:// overrides it to write them without re-hashing
+        (there is no transport between the hash and the write to protect)."""
+        return self._put(key, _joined(buffers), mode, crc32c)
+
     @abstractmethod
     def _complete_upload(
         self, handle: UploadHandle, parts: list[PartResult], size: int, crc32c: str
@@ -430,13 +462,17 @@ class Store(ABC):
         self.check_key(key, "put")
         view = memoryview(data).cast("B")
         self._check_mode(mode, key)
-        crc = crc32c_b64(view)
+        return self._put_checked(key, [view], view.nbytes, crc32c_b64(view), mode)
+
+    def _put_checked(
+        self, key: str, buffers: list[memoryview], size: int, crc: str, mode: PutMode
+    ) -> ObjectMeta:
         tries = 0
 
         def attempt() -> ObjectMeta:
             nonlocal tries
             tries += 1
-            return self._put(key, view, mode, crc)
+            return self._put_buffers(key, buffers, mode, crc)
 
         try:
             return self._call(attempt)
@@ -445,7 +481,7 @@ class Store(ABC):
             # response was lost). The same size and CRC32C means the object is our own bytes.
             if tries > 1:
                 meta = self._call(self._head, key)
-                if meta.size == view.nbytes and meta.crc32c == crc:
+                if meta.size == size and meta.crc32c == crc:
                     return meta
             raise
 
@@ -458,6 +494,8 @@ class Store(ABC):
         part_size: int | None = None,
         max_in_flight: int | None = None,
         progress: Callable[[int], None] | None = None,
+        checksums: StreamChecksums | None = None,
+        borrow: bool = False,
     ) -> ObjectMeta:
         """Stream ``source`` into one object with bounded memory; default mode is create-if-absent.
 
@@ -466,6 +504,14 @@ class Store(ABC):
         each part carries its CRC32C. The returned meta's ``crc32c`` is the full-object CRC32C
         computed while streaming. ``progress(n)`` is called with each part's byte count once
         that part is uploaded.
+
+        Each byte is CRC32C-hashed once: per piece (a source buffer's share of one part), the
+        part's and the whole object's values combined from those; ``checksums`` (optional)
+        receives them, with each source buffer's own CRC32C. A part inside one source buffer is
+        a view of it; a part straddling buffers is assembled by copying, unless ``borrow``: the
+        caller keeps every source buffer alive and unchanged until this returns (views of live
+        tensors), so such a part is sent as the list of views (no copy; memory then is the
+        source's, not ``part_size x max_in_flight``).
 
         Atomicity: the object appears only at completion, whole. On any failure (including
         KeyboardInterrupt) the upload is aborted and the error re-raised. Raises what ``put``
@@ -476,35 +522,37 @@ class Store(ABC):
         part_size = part_size or self.part_size
         self._check_part_size(part_size, key)
         max_in_flight = max_in_flight or self.max_in_flight
-        parts = iter_parts(source, part_size)
+        sums = checksums if checksums is not None else StreamChecksums()
+        parts = _cut_parts(source, part_size, borrow, sums)
         first = next(parts, None)
         if first is None:
-            first = memoryview(b"")
+            first = _Part()
         second = next(parts, None)
         if second is None:  # fits in one request: no multipart overhead
-            meta = self.put(key, first, mode=mode)
+            meta = self._put_checked(key, first.buffers, first.size, encode_crc32c(first.crc), mode)
             if progress:
-                progress(first.nbytes)
+                progress(first.size)
             return meta
         # Hand the two parts read ahead over without keeping references here: a part must be
         # freed as soon as its upload is done, or the memory bound grows by two parts.
         head = [first, second]
         del first, second
-        return self._multipart(key, _chain(head, parts), mode, max_in_flight, progress)
+        return self._multipart(key, _chain(head, parts), mode, max_in_flight, progress, sums)
 
     def _multipart(
         self,
         key: str,
-        parts: Iterator[memoryview],
+        parts: Iterator[_Part],
         mode: PutMode,
         max_in_flight: int,
         progress: Callable[[int], None] | None,
+        sums: StreamChecksums,
     ) -> ObjectMeta:
         handle: UploadHandle = self._call(self._create_upload, key, mode)
-        whole = Crc32c()
         results: list[PartResult] = []
         in_flight: set[Future[PartResult]] = set()
         pool = self._executor()
+        offset = 0
         try:
             for number in itertools.count(1):
                 # Bound memory: wait for a slot before taking the next part off the source, so
@@ -515,18 +563,18 @@ class Store(ABC):
                 part = next(parts, None)
                 if part is None:
                     break
-                offset = whole.size
-                whole.update(part)
-                crc = crc32c_b64(part)
-                # The task takes the part out of its holder, so the buffer is released when the
-                # upload returns, not when the pool gets round to dropping the task's arguments.
-                in_flight.add(pool.submit(self._upload_held, handle, number, offset, [part], crc))
-                del part
+                # The task takes the buffers out of their holder, so they are released when
+                # the upload returns, not when the pool gets round to dropping its arguments.
+                crc = encode_crc32c(part.crc)
+                holder = [part.buffers]
+                in_flight.add(pool.submit(self._upload_held, handle, number, offset, holder, crc))
+                offset += part.size
+                del part, holder
             while in_flight:
                 done, in_flight = _wait_first(in_flight)
                 results.extend(_collect(done, progress))
             results.sort(key=lambda r: r.part_number)
-            return self._call(self._complete_upload, handle, results, whole.size, whole.b64)
+            return self._call(self._complete_upload, handle, results, sums.size, sums.b64)
         except BaseException:
             for fut in in_flight:
                 fut.cancel()
@@ -538,10 +586,10 @@ class Store(ABC):
             raise
 
     def _upload_held(
-        self, handle: UploadHandle, number: int, offset: int, holder: list[memoryview], crc: str
+        self, handle: UploadHandle, number: int, offset: int, holder: list[list[memoryview]], crc: str
     ) -> PartResult:
-        data = holder.pop()
-        return self._call(self._upload_part, handle, number, offset, data, crc)
+        buffers = holder.pop()
+        return self._call(self._upload_part_buffers, handle, number, offset, buffers, crc)
 
     def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
         """Whole object, or bytes ``[start, end)`` of it (clamped at the object's end, like an
@@ -564,6 +612,35 @@ class Store(ABC):
     def _read(self, key: str, start: int, end: int | None) -> bytes:
         # One chunk is returned as is (bytes.join of a single bytes object does not copy).
         return b"".join(self._open(key, start, end))
+
+    def get_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> int:
+        """Read bytes ``[start, start + total)`` of the object straight into ``buffers`` (writable,
+        filled in order, ``total`` their summed size): one request, retried whole on a transient
+        error. Returns how many bytes were read, fewer only where the object ends first.
+
+        Backends that can receive into memory (file:// ``preadv``, S3 ``readinto``) do so;
+        the default copies each chunk of :meth:`_open` once into place.
+
+        Raises:
+            NotFoundError: no such key.
+            InvalidKeyError: ``key`` breaks the key rule (no request made).
+        """
+        self.check_key(key, "get")
+        if start < 0:
+            raise ValueError(f"bad start {start} for key {key!r}")
+        views = [memoryview(b).cast("B") for b in buffers]
+        if not any(v.nbytes for v in views):
+            return 0
+        return int(self._call(self._read_into, key, start, views))
+
+    def _read_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        """Fill ``buffers`` from ``[start, start + total)``; a backend overrides this to read
+        into them without an intermediate chunk."""
+        total = sum(b.nbytes for b in buffers)
+        fill = _Scatter(buffers)
+        for chunk in self._open(key, start, start + total):
+            fill.write(memoryview(chunk).cast("B"))
+        return fill.filled
 
     def get_stream(
         self,
@@ -834,7 +911,121 @@ def _iter_file_parts(fileobj: IO[bytes], part_size: int) -> Iterator[memoryview]
             return
 
 
-def _chain(head: list[memoryview], rest: Iterator[memoryview]) -> Iterator[memoryview]:
+class _Scatter:
+    """Copies a stream of chunks into consecutive buffers (the default ``get_into``)."""
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        self._buffers = [b for b in buffers if b.nbytes]
+        self._index = 0
+        self._pos = 0
+        self.filled = 0
+
+    def write(self, chunk: memoryview) -> None:
+        taken = 0
+        while taken < chunk.nbytes and self._index < len(self._buffers):
+            dest = self._buffers[self._index]
+            n = min(dest.nbytes - self._pos, chunk.nbytes - taken)
+            dest[self._pos : self._pos + n] = chunk[taken : taken + n]
+            taken += n
+            self._pos += n
+            self.filled += n
+            if self._pos == dest.nbytes:
+                self._index += 1
+                self._pos = 0
+
+
+def advance(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """``buffers`` with their first ``n`` bytes dropped (after a short vectored read/write)."""
+    out = list(buffers)
+    while n and out:
+        if n >= out[0].nbytes:
+            n -= out[0].nbytes
+            out.pop(0)
+        else:
+            out[0] = out[0][n:]
+            n = 0
+    return [b for b in out if b.nbytes]
+
+
+class _Part:
+    """One part as it is sent: consecutive buffers, their total size and CRC32C."""
+
+    __slots__ = ("buffers", "size", "crc", "_assembly")
+
+    def __init__(self) -> None:
+        self.buffers: list[memoryview] = []
+        self.size = 0
+        self.crc = 0
+        self._assembly: bytearray | None = None  # copied pieces (not borrowing)
+
+    def add(self, piece: memoryview, crc: int, *, copy: bool) -> None:
+        if copy:
+            if self._assembly is None:
+                self._assembly = bytearray()
+            self._assembly += piece
+        else:
+            self._seal()
+            self.buffers.append(piece)
+        self.crc = crc32c_combine(self.crc, crc, piece.nbytes)
+        self.size += piece.nbytes
+
+    def _seal(self) -> None:
+        if self._assembly is not None:
+            self.buffers.append(memoryview(self._assembly))
+            self._assembly = None
+
+    def done(self) -> _Part:
+        self._seal()
+        return self
+
+
+def _source_buffers(source: BytesSource, part_size: int) -> Iterator[Buffer]:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        yield source
+    elif hasattr(source, "readinto") or hasattr(source, "read"):
+        yield from _iter_file_parts(source, part_size)  # type: ignore[arg-type]
+    else:
+        yield from source
+
+
+def _cut_parts(source: BytesSource, part_size: int, borrow: bool, sums: StreamChecksums) -> Iterator[_Part]:
+    """``source`` as parts of ``part_size`` bytes (the last may be shorter), hashing each byte
+    once: per piece (one buffer's share of one part), combined into the part's, the buffer's
+    and the whole object's CRC32C in ``sums``. A part inside one buffer is a view of it; a
+    piece of a straddling part is copied into the part unless ``borrow``."""
+    # one caller buffer, or the fresh buffers read from a file: views of them are always safe
+    borrow = borrow or isinstance(source, (bytes, bytearray, memoryview)) or hasattr(source, "read")
+    part = _Part()
+    for chunk in _source_buffers(source, part_size):
+        view = memoryview(chunk).cast("B")
+        chunk_crc, pos = 0, 0
+        while pos < view.nbytes:
+            n = min(part_size - part.size, view.nbytes - pos)
+            piece = view[pos : pos + n]
+            crc = crc32c_of(piece)  # the one pass over these bytes
+            whole_part_here = part.size == 0 and n == part_size
+            part.add(piece, crc, copy=not (borrow or whole_part_here))
+            chunk_crc = crc32c_combine(chunk_crc, crc, n)
+            sums.crc = crc32c_combine(sums.crc, crc, n)
+            sums.size += n
+            pos += n
+            if part.size == part_size:
+                sums.parts += 1
+                yield part.done()
+                part = _Part()
+        sums.chunks.append((chunk_crc, view.nbytes))
+    if part.size:
+        sums.parts += 1
+        yield part.done()
+
+
+def _joined(buffers: list[memoryview]) -> memoryview:
+    if len(buffers) == 1:
+        return buffers[0]
+    return memoryview(b"".join(buffers))
+
+
+def _chain(head: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
     """``head``'s parts, then ``rest``'s; keeps no reference to a part it has handed out."""
     while head:
         yield head.pop(0)
@@ -868,6 +1059,7 @@ __all__ = [
     "PendingUpload",
     "PutMode",
     "Store",
+    "StreamChecksums",
     "UploadHandle",
     "encode_crc32c",
     "iter_parts",

@@ -28,8 +28,11 @@ in messages or ``repr``.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
+import io
+import itertools
 import re
 import threading
 from collections import deque
@@ -288,6 +291,62 @@ _SMALL_BODY = 1 * MiB
 
 def _body(data: memoryview) -> bytes | ViewReader:
     return data.tobytes() if data.nbytes <= _SMALL_BODY else ViewReader(data)
+
+
+def _body_of(buffers: list[memoryview], size: int) -> bytes | io.RawIOBase:
+    if len(buffers) == 1:
+        return _body(buffers[0])
+    if size <= _SMALL_BODY:
+        return b"".join(buffers)
+    return _BuffersReader(buffers)
+
+
+class _BuffersReader(io.RawIOBase):
+    """A seekable, read-only file over consecutive memoryviews: a part that spans several
+    tensors is sent without assembling it (botocore reads and seeks bodies, never sizes them
+    by other means than ``ContentLength``)."""
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        super().__init__()
+        self._buffers = [b for b in buffers if b.nbytes]
+        self._starts = list(itertools.accumulate((b.nbytes for b in self._buffers), initial=0))
+        self._size = self._starts[-1]
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        filled = 0
+        while filled < out.nbytes and self._pos < self._size:
+            i = bisect.bisect_right(self._starts, self._pos) - 1
+            src = self._buffers[i][self._pos - self._starts[i] :]
+            n = min(src.nbytes, out.nbytes - filled)
+            out[filled : filled + n] = src[:n]
+            filled += n
+            self._pos += n
+        return filled
+
+    def read(self, size: int | None = -1) -> bytes:
+        want = self._size - self._pos if size is None or size < 0 else size
+        buf = bytearray(max(0, min(want, self._size - self._pos)))
+        n = self.readinto(buf)
+        return bytes(buf[:n])
 
 
 def _quoted(etag: str | None) -> str:
@@ -589,6 +648,13 @@ class S3Store(Store):
     def _upload_part(
         self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
     ) -> PartResult:
+        return self._upload_part_buffers(handle, part_number, offset, [data], crc32c)
+
+    def _upload_part_buffers(
+        self, handle: UploadHandle, part_number: int, offset: int, buffers: list[memoryview], crc32c: str
+    ) -> PartResult:
+        """UploadPart with the CRC32C S3 verifies; a part spanning buffers is sent as one
+        streamed body over them (no assembly copy)."""
         if part_number > S3_MAX_PARTS:
             raise StoreError(
                 f"more than {S3_MAX_PARTS} parts: raise part_size for objects this large",
@@ -596,6 +662,7 @@ class S3Store(Store):
                 location=self.location,
                 operation="upload_part",
             )
+        size = sum(b.nbytes for b in buffers)
         resp = self._request(
             "upload_part",
             handle.key,
@@ -603,12 +670,12 @@ class S3Store(Store):
             Key=handle.key,
             UploadId=handle.upload_id,
             PartNumber=part_number,
-            Body=_body(data),
-            ContentLength=data.nbytes,
+            Body=_body_of(buffers, size),
+            ContentLength=size,
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=crc32c,
         )
-        return PartResult(part_number, offset, data.nbytes, crc32c, token=_quoted(resp.get("ETag")))
+        return PartResult(part_number, offset, size, crc32c, token=_quoted(resp.get("ETag")))
 
     def _complete_upload(
         self, handle: UploadHandle, parts: list[PartResult], size: int, crc32c: str
@@ -844,6 +911,34 @@ class S3Store(Store):
                 operation="get",
             )
         return data
+
+    def _read_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        # One ranged GET whose body the socket reads straight into the buffers (readinto): no
+        # bytes object per chunk, no join.
+        total = sum(b.nbytes for b in buffers)
+        try:
+            resp = self._request(
+                "get", key, self._client.get_object, Key=key, Range=f"bytes={start}-{start + total - 1}"
+            )
+        except StoreError as exc:
+            if _is_invalid_range(exc):
+                return 0  # starts at or past the end
+            raise
+        body = resp["Body"]
+        filled = 0
+        try:
+            for buf in buffers:
+                pos = 0
+                while pos < buf.nbytes:
+                    with self._mapped("get", key):
+                        n = body.readinto(buf[pos:])
+                    if not n:
+                        return filled
+                    pos += n
+                    filled += n
+            return filled
+        finally:
+            body.close()
 
     def _head(self, key: str) -> ObjectMeta:
         """HeadObject with checksum mode on; ``crc32c`` is the full-object value or ``None``."""

@@ -146,8 +146,10 @@ class _Cache:
 
     def slot(self, store: Store) -> OrderedDict[tuple[int, str], dict[tuple[int, str], list[_Entry]]]:
         inner = store
-        while getattr(inner, "inner", None) is not None:
-            inner = inner.inner  # type: ignore[attr-defined]  # wrappers name their store's run root
+        # a wrapper that keeps its store's run root (counting, faults) shares its entry; one that
+        # names another root (a PrefixStore: every s3:// run root over one bucket client) does not
+        while getattr(inner, "inner", None) is not None and inner.inner.location == inner.location:  # type: ignore[attr-defined]
+            inner = inner.inner  # type: ignore[attr-defined]
         location = str(inner.location)
         if location.startswith("memory://"):  # memory stores share names: keyed by the object
             return self.by_object.setdefault(inner, OrderedDict())

@@ -220,8 +220,13 @@ def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = N
         source: Iterable[memoryview] = encoded.buffers()
         if abandon is not None:
             source = _abortable(source, abandon)
-        # a chunked shard's layout follows the writer's part size: only a plain one tells its size
-        receipt = writer.write(name, source, progress=progress, size=None if chunked else encoded.size)
+        # a chunked shard's layout follows the writer's part size: only a plain one tells its size.
+        # borrow: every buffer the encoder yields stays alive and unchanged until the write
+        # returns (views of the captured tensors, fresh header and compressed bytes), so parts
+        # that straddle them are sent as views instead of being assembled by copying
+        receipt = writer.write(
+            name, source, progress=progress, size=None if chunked else encoded.size, borrow=True
+        )
         written += receipt.size
         if chunked:
             used |= encoded.used

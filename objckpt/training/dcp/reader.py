@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import io
 import logging
-import math
 import secrets
 from collections.abc import Mapping
 from typing import Any, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -28,16 +25,13 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..._crc import Crc32c
 from ...coordination.roots import open_root
 from ...errors import (
-    ChecksumMismatchError,
     ConfigError,
     DistributedError,
     LoadRefusedError,
     ManifestError,
     NoCheckpointError,
-    NotFoundError,
     is_damage,
 )
 from ...layout import check_step, shard_key
@@ -45,13 +39,13 @@ from ...manifest import Manifest
 from ...reader import Reader
 from ...store import Store
 from .. import dedup
+from ._load import LoadItem, narrow, plan_reads, run_reads, tensor_from
 from ._metadata import (
     _COALESCE_GAP,
     _RANGE_PARTS,
     CACHE_TAG,
     MANIFEST_KEY,
     READABLE_FORMAT_VERSIONS,
-    _dtype_from_name,
     _first_line,
     _ItemLocation,
     _parse_step,
@@ -199,10 +193,7 @@ class ObjckptStorageReader(StorageReader):
                 key = shard_key(manifest.step, manifest.attempt, rank, name)
             except (ValueError, TypeError) as exc:
                 raise ManifestError(f"step {manifest.step}: bad shard name {name!r}: {exc}") from None
-            # either layout: the manifest's keys may carry the spreading prefix (layout.py)
-            receipt = by_key.get(key) or by_key.get(
-                shard_key(manifest.step, manifest.attempt, rank, name, spread=True)
-            )
+            receipt = by_key.get(key)
             if receipt is None:  # only keys the (validated) manifest lists are ever read
                 raise ManifestError(
                     f"step {manifest.step}: DCP data names shard {key!r}, not in the manifest"
@@ -262,12 +253,13 @@ class ObjckptStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Fetch this rank's items with coalesced ranged GETs (bounded in flight), verify each
-        item's CRC32C, then hand tensors and weights-only-loaded bytes items to the planner."""
+        """Fetch this rank's items with parallel, bounded ranged reads straight into their
+        destination tensors (``_load``), verify each item's CRC32C, then hand tensors and
+        weights-only-loaded bytes items to the planner."""
         per_index: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
             per_index.setdefault(req.storage_index, []).append(req)
-        per_key: dict[str, list[tuple[_ItemLocation, list[ReadItem]]]] = {}
+        items: list[LoadItem] = []
         for index, reqs in per_index.items():
             loc = self._locations.get(index)
             if loc is None:
@@ -275,104 +267,51 @@ class ObjckptStorageReader(StorageReader):
                     f"step {self.step}: checkpoint has no data for {index.fqn} at {index.offset}"
                 )
             key, _ = self._keys[_where(loc)]
-            per_key.setdefault(key, []).append((loc, reqs))
-        ranges = self._coalesce(per_key)
-        window = max(1, self.store.max_in_flight)
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(window, max(1, len(ranges))), thread_name_prefix="objckpt-dcp-read"
-        ) as pool:
-            pending: list[concurrent.futures.Future[bytes]] = []
-            next_submit = 0
-            try:
-                for i, (key, start, _end, members) in enumerate(ranges):
-                    # Keep at most `window` ranges fetched ahead: memory stays bounded.
-                    while next_submit < len(ranges) and next_submit < i + window:
-                        k, s, e, _ = ranges[next_submit]
-                        pending.append(pool.submit(self._fetch, k, s, e))
-                        next_submit += 1
-                    data = memoryview(pending[i].result())
-                    pending[i] = None  # type: ignore[call-overload]  # free the bytes early
-                    for loc, reqs in members:
-                        at = loc.start - start
-                        self._apply(key, loc, data[at : at + loc.length], reqs, planner)
-            finally:
-                for f in pending:
-                    if f is not None:
-                        f.cancel()
+            items.append(LoadItem(key, loc, reqs))
+        reads = plan_reads(items, cap=self.read_cap, gap=_COALESCE_GAP)
+        run_reads(
+            self.store,
+            items,
+            reads,
+            planner,
+            window=max(1, self.store.max_in_flight),
+            finish=lambda item, data: self._apply(item, data, planner),
+            step=self.step,
+        )
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _coalesce(
-        self, per_key: dict[str, list[tuple[_ItemLocation, list[ReadItem]]]]
-    ) -> list[tuple[str, int, int, list[tuple[_ItemLocation, list[ReadItem]]]]]:
-        cap = _RANGE_PARTS * self.store.part_size
-        ranges: list[tuple[str, int, int, list[tuple[_ItemLocation, list[ReadItem]]]]] = []
-        for key in sorted(per_key):
-            members = sorted(per_key[key], key=lambda m: m[0].start)
-            cur: list[Any] | None = None
-            for loc, reqs in members:
-                end = loc.start + loc.length
-                if cur is not None and loc.start - cur[2] <= _COALESCE_GAP and end - cur[1] <= cap:
-                    cur[2] = max(cur[2], end)
-                    cur[3].append((loc, reqs))
-                    continue
-                if cur is not None:
-                    ranges.append(tuple(cur))
-                cur = [key, loc.start, end, [(loc, reqs)]]
-            if cur is not None:
-                ranges.append(tuple(cur))
-        return ranges
+    @property
+    def read_cap(self) -> int:
+        """The most bytes one ranged read fetches (coalesced items, or a piece of a big one)."""
+        return _RANGE_PARTS * self.store.part_size
 
-    def _fetch(self, key: str, start: int, end: int) -> bytes:
-        try:
-            data = self.store.get(key, byte_range=(start, end))
-        except NotFoundError as exc:
-            # A shard a committed manifest names is gone: the checkpoint is damaged.
-            raise ChecksumMismatchError(
-                f"shard of committed step {self.step} is missing: {exc}",
-                key=key,
-                location=self.store.location,
-            ) from exc
-        if len(data) != end - start:
-            raise ChecksumMismatchError(
-                f"ranged read [{start}, {end}) returned {len(data)} bytes (shard truncated?)",
-                key=key,
-                location=self.store.location,
-            )
-        return data
-
-    def _apply(
-        self, key: str, loc: _ItemLocation, view: memoryview, reqs: list[ReadItem], planner: LoadPlanner
-    ) -> None:
-        crc = Crc32c()
-        crc.update(view)
-        if crc.size != loc.length or crc.b64 != loc.crc32c:
-            raise ChecksumMismatchError(
-                f"item {reqs[0].storage_index.fqn} bytes [{loc.start}, {loc.start + loc.length}) fail "
-                f"their CRC32C ({crc.b64} != {loc.crc32c})",
-                key=key,
-                location=self.store.location,
-            )
-        for req in reqs:
+    def _apply(self, item: LoadItem, view: memoryview, planner: LoadPlanner) -> None:
+        """Hand one verified item to the planner: in place (already in its tensor), copied once
+        from its scratch into each destination, or as a weights-only-loaded bytes item."""
+        loc, key = item.loc, item.key
+        for req in item.reqs:
             if req.type == LoadItemType.BYTE_IO:
                 if loc.kind != "bytes":
                     raise ManifestError(f"{req.storage_index.fqn}: stored as {loc.kind}, requested as bytes")
                 planner.load_bytes(req, _safe_bytes(view, key, req.storage_index.fqn))
-            else:
-                if loc.kind != "tensor":
-                    raise ManifestError(
-                        f"{req.storage_index.fqn}: stored as {loc.kind}, requested as a tensor"
-                    )
-                tensor = narrow_tensor_by_index(_tensor_from(view, loc), req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
-                    raise ManifestError(
-                        f"{req.storage_index.fqn}: stored slice {tuple(tensor.size())} does not fit "
-                        f"destination {tuple(target.size())}"
-                    )
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
+                continue
+            if loc.kind != "tensor":
+                raise ManifestError(f"{req.storage_index.fqn}: stored as {loc.kind}, requested as a tensor")
+            if item.direct:
+                assert item.target is not None
+                planner.commit_tensor(req, item.target)
+                continue
+            tensor = narrow(tensor_from(item, view), req)
+            target = item.target if item.target is not None else planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise ManifestError(
+                    f"{req.storage_index.fqn}: stored slice {tuple(tensor.size())} does not fit "
+                    f"destination {tuple(target.size())}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
 
     def close(self) -> None:
         """Close the store if this reader opened it from a URI."""
@@ -389,16 +328,6 @@ class ObjckptStorageReader(StorageReader):
 def _where(loc: _ItemLocation) -> Any:
     """Which object holds an item: its checkpoint's own shard, or an ancestor's (by identity)."""
     return (loc.rank, loc.shard) if loc.origin is None else (tuple(loc.origin), loc.rank, loc.shard)
-
-
-def _tensor_from(view: memoryview, loc: _ItemLocation) -> torch.Tensor:
-    dtype = _dtype_from_name(loc.dtype)
-    shape = tuple(loc.shape or ())
-    if math.prod(shape) == 0:
-        return torch.empty(shape, dtype=dtype)
-    # One copy into a fresh, writable, malloc-aligned buffer the tensor then owns (the GET's
-    # bytes are read-only and a slice of them need not be aligned for the dtype).
-    return torch.frombuffer(bytearray(view), dtype=dtype).reshape(shape)
 
 
 def _safe_bytes(view: memoryview, key: str, fqn: str) -> io.BytesIO:

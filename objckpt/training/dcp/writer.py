@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..._crc import Crc32c, crc32c_b64
+from ..._crc import crc32c_b64, encode_crc32c
 from ...coordination.comm import LocalComm
 from ...coordination.roots import open_root
 from ...coordination.save import SaveSession
@@ -43,6 +43,7 @@ from ...manifest import Reference
 from ...metrics import CheckpointMetrics
 from ...reader import Reader
 from ...store import Store
+from ...store.base import StreamChecksums
 from ...writer import ShardWriter
 from .. import dedup
 from ._metadata import (
@@ -116,7 +117,10 @@ class ObjckptStorageWriter(StorageWriter):
     errors from uploads, :class:`ConfigError` for unsupported use (``use_collectives=False``,
     DCP plan caching, non-JSON planner data).
 
-    One save at a time per instance; thread-based ``dcp.async_save`` is supported.
+    One save at a time per instance. ``dcp.async_save`` works thread-based, and process-based
+    (``AsyncCheckpointerType.PROCESS``) for a writer given a run-root URI (DCP pickles the writer;
+    the checkpoint process re-opens the store from the URI and ``store_options``); a writer on a
+    ``Store`` object, or with ``metrics``, refuses to be pickled with a :class:`ConfigError`.
     """
 
     def __init__(
@@ -138,6 +142,10 @@ class ObjckptStorageWriter(StorageWriter):
         #: item of the parent checkpoint is recorded as located in the parent's object
         self.dedup = bool(dedup)
         self.store, self._owns_store = open_root(uri_or_store, store_options)
+        # what re-opens the store in DCP's checkpoint process (async_save PROCESS): see __getstate__
+        self._uri = uri_or_store if isinstance(uri_or_store, str) else None
+        self._store_options = dict(store_options or {})
+        self._retention, self._metrics = retention, metrics
         # DCP gathers the plans and write results itself: the session is used for its
         # decisions on the coordinator (the attempt, the commit, retention), not its collectives.
         self.session = SaveSession(
@@ -170,8 +178,9 @@ class ObjckptStorageWriter(StorageWriter):
     # -- DCP protocol
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        """Start a new save; a ``checkpoint_id`` is the step to save (int or digit string)."""
-        if checkpoint_id is not None:
+        """Start a new save; a ``checkpoint_id`` is the step to save (int or digit string), or
+        this writer's own :attr:`checkpoint_id` (what DCP's process executor hands back)."""
+        if checkpoint_id is not None and checkpoint_id != self.checkpoint_id:
             self.step = _parse_step(checkpoint_id)
         self._reset_save_state()
 
@@ -286,7 +295,19 @@ class ObjckptStorageWriter(StorageWriter):
         for number, items in enumerate(self._split(plan.items)):
             name = _DATA_SHARD.format(number)
             locations: list[tuple[WriteItem, _ItemLocation]] = []
-            receipt = writer.write(name, self._stream(name, items, planner, locations))
+            sums = StreamChecksums()
+            # borrow: the yielded buffers are the items' own memory, alive until write returns
+            receipt = writer.write(
+                name, self._stream(name, items, planner, locations), checksums=sums, borrow=True
+            )
+            # each item's CRC32C comes from the upload's one pass (each yielded buffer is one item)
+            sent = iter(sums.chunks)
+            for i, (item, loc) in enumerate(locations):
+                if loc.origin is None:
+                    crc, size = next(sent) if loc.length else (0, 0)
+                    if size != loc.length:
+                        raise CommitError(f"{item.index.fqn}: streamed {size} bytes, expected {loc.length}")
+                    locations[i] = (item, dataclasses.replace(loc, crc32c=encode_crc32c(crc)))
             for item, loc in locations:
                 loc = dataclasses.replace(loc, receipt=None if loc.origin is not None else receipt)
                 results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
@@ -358,7 +379,6 @@ class ObjckptStorageWriter(StorageWriter):
     ) -> Iterator[memoryview]:
         for item in items:
             data = planner.resolve_data(item)
-            crc = Crc32c()
             if item.type == WriteItemType.BYTE_IO:
                 if not isinstance(data, io.BytesIO):
                     raise TypeError(
@@ -401,10 +421,10 @@ class ObjckptStorageWriter(StorageWriter):
                     _dtype_name(data.dtype),
                     tuple(int(s) for s in data.shape),
                 )
-            crc.update(view)
-            out.append((item, dataclasses.replace(loc, crc32c=crc.b64)))
+            # the CRC32C is filled in from the upload's own pass (write_data): not hashed here
+            out.append((item, loc))
             if pool is not None and loc.kind == "tensor":
-                loc = dataclasses.replace(loc, crc32c=crc.b64, sample=sample, hash=digest)
+                loc = dataclasses.replace(loc, sample=sample, hash=digest)
                 out[-1] = (item, loc)
                 if digest is None and (cand is None or cand.length != view.nbytes):
                     hashing.append((len(out) - 1, pool.submit(dedup.chunk_hash, view)))
@@ -491,6 +511,39 @@ class ObjckptStorageWriter(StorageWriter):
             return parent.reference(tuple(loc.origin), loc.rank, loc.shard)
         except KeyError as exc:
             raise CommitError(f"a reused item names an object its parent does not hold: {exc}") from None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for DCP's process-based ``async_save``: the store and session are not sent
+        but re-opened in the checkpoint process from the run-root URI and ``store_options``.
+
+        Raises:
+            ConfigError: the writer was given a :class:`Store` object or ``metrics`` (neither can
+                cross to another process); the message says what to pass instead.
+        """
+        if self._uri is None:
+            raise ConfigError(
+                f"ObjckptStorageWriter on a Store object ({self.store.location}) cannot be sent to "
+                "DCP's checkpoint process (async_save with AsyncCheckpointerType.PROCESS): give it "
+                "the run-root URI (and store_options=) instead, so the process re-opens the store, "
+                "or use the thread-based async_save"
+            )
+        if self._metrics is not None:
+            raise ConfigError(
+                "ObjckptStorageWriter(metrics=...) cannot report from DCP's checkpoint process "
+                "(async_save with AsyncCheckpointerType.PROCESS): drop metrics= there, or use the "
+                "thread-based async_save"
+            )
+        state = dict(self.__dict__)
+        del state["store"], state["session"]
+        state["_candidates"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.store, self._owns_store = open_root(self._uri, self._store_options)  # type: ignore[arg-type]
+        self.session = SaveSession(
+            self.store, LocalComm(), retention=self._retention, metrics=None, label="DCP save"
+        )
 
     def close(self) -> None:
         """Close the store if this writer opened it from a URI."""
