@@ -78,3 +78,16 @@ def test_process_async_save_commits_from_the_checkpoint_process(tmp_path: Path) 
     dcp.load(target, storage_reader=ObjckptStorageReader(store))
     assert target["n"] == 3
     assert torch.equal(target["w"], torch.arange(1000, dtype=torch.float32))  # rank 0's (replicated)
+
+
+def test_reader_from_a_uri_pickles_and_loads_in_its_new_home(tmp_path: Path) -> None:
+    dcp.save({"w": torch.arange(5.0)}, storage_writer=ObjckptStorageWriter(f"file://{tmp_path}/run", step=2))
+    reader = ObjckptStorageReader(f"file://{tmp_path}/run", step=2)
+    clone = pickle.loads(pickle.dumps(reader))
+    target = {"w": torch.zeros(5)}
+    dcp.load(target, storage_reader=clone)
+    assert torch.equal(target["w"], torch.arange(5.0)) and clone.step == 2
+    clone.close()
+    reader.close()
+    with pytest.raises(ConfigError, match="run-root URI"):
+        pickle.dumps(ObjckptStorageReader(open_store(f"file://{tmp_path}/run")))

@@ -18,8 +18,9 @@ torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from objckpt import _crc  # noqa: E402
+from objckpt.reader import Reader  # noqa: E402
 from objckpt.store import open_store  # noqa: E402
-from objckpt.training.dcp import ObjckptStorageReader, ObjckptStorageWriter  # noqa: E402
+from objckpt.training.dcp import METADATA_SHARD, ObjckptStorageReader, ObjckptStorageWriter  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -53,3 +54,19 @@ def test_dcp_save_hashes_each_written_byte_once(tmp_path: Path, monkeypatch: pyt
     target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
     dcp.load(target, storage_reader=ObjckptStorageReader(store))
     assert all(torch.equal(target[k], sd[k]) for k in sd if k != "step") and target["step"] == 3
+
+
+def test_a_large_rank_spreads_its_items_over_shards_written_at_once(tmp_path: Path) -> None:
+    # 4 KiB parts: 8 tensors of 16 KiB = 32 parts, so min(max_in_flight=8, 32 / 4) = 8 shards
+    store = open_store(f"file://{tmp_path}/run", part_size="4096", max_in_flight="8")
+    sd = {f"t{i}": torch.full((4096,), float(i)) for i in range(8)}
+    dcp.save(sd, storage_writer=ObjckptStorageWriter(store, step=1, dedup=False))
+    data = [r for r in Reader(store).load(1).shards if r.name != METADATA_SHARD]
+    assert len(data) == 8 and all(r.size == 16384 for r in data)
+    target = {k: torch.zeros(4096) for k in sd}
+    dcp.load(target, storage_reader=ObjckptStorageReader(store))
+    assert all(torch.equal(target[k], sd[k]) for k in sd)
+    # a small rank keeps one shard
+    small = open_store(f"file://{tmp_path}/small", part_size="4096")
+    dcp.save({"w": torch.ones(100)}, storage_writer=ObjckptStorageWriter(small, step=1, dedup=False))
+    assert len([r for r in Reader(small).load(1).shards if r.name != METADATA_SHARD]) == 1

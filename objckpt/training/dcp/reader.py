@@ -94,6 +94,9 @@ class ObjckptStorageReader(StorageReader):
     ) -> None:
         super().__init__()
         self.store, self._owns_store = open_root(uri_or_store, store_options)
+        # what re-opens the store after unpickling (see __getstate__)
+        self._uri = uri_or_store if isinstance(uri_or_store, str) else None
+        self._store_options = dict(store_options or {})
         self.requested_step = None if step is None else check_step(step)
         #: a checkpoint resolved beforehand (by the restore session on rank 0): this reader then
         #: reads exactly it, without resolving (no LIST, no manifest GET)
@@ -315,6 +318,27 @@ class ObjckptStorageReader(StorageReader):
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable when opened from a run-root URI: the store is re-opened from the URI and
+        ``store_options`` on unpickling (the resolved checkpoint travels with it).
+
+        Raises:
+            ConfigError: the reader was given a :class:`Store` object, which cannot cross to
+                another process; the message says to pass the URI instead.
+        """
+        if self._uri is None:
+            raise ConfigError(
+                f"ObjckptStorageReader on a Store object ({self.store.location}) cannot be pickled "
+                "into another process: give it the run-root URI (and store_options=) instead"
+            )
+        state = dict(self.__dict__)
+        del state["store"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.store, self._owns_store = open_root(self._uri, self._store_options)  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Close the store if this reader opened it from a URI."""

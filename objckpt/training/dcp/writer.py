@@ -66,6 +66,8 @@ log = logging.getLogger("objckpt.training.dcp")
 
 StoreLike = Union[str, Store]
 _KeyIndex = dict[tuple[int, str], tuple[str, int]]  # (rank, shard name) -> (key, size)
+#: a shard written alongside others holds at least this many parts (fewer, larger files below)
+_SPREAD_PARTS = 4
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -174,6 +176,7 @@ class ObjckptStorageWriter(StorageWriter):
         self._nonce: str | None = None
         self._parent: Any = None  # the parent manifest whose items this save may reuse
         self._candidates: dict[Any, _ItemLocation] = {}
+        self._spread = 1  # shards written at once by this save (set by _split)
 
     # -- DCP protocol
 
@@ -292,7 +295,8 @@ class ObjckptStorageWriter(StorageWriter):
         assert self.step is not None  # set_up_storage_writer refuses a save without a step
         writer = ShardWriter(self.store, step=self.step, attempt=sd.attempt, rank=sd.rank)
         results: list[WriteResult] = []
-        for number, items in enumerate(self._split(plan.items)):
+
+        def write_shard(number: int, items: list[WriteItem]) -> tuple[str, Any, list[Any]]:
             name = _DATA_SHARD.format(number)
             locations: list[tuple[WriteItem, _ItemLocation]] = []
             sums = StreamChecksums()
@@ -308,6 +312,19 @@ class ObjckptStorageWriter(StorageWriter):
                     if size != loc.length:
                         raise CommitError(f"{item.index.fqn}: streamed {size} bytes, expected {loc.length}")
                     locations[i] = (item, dataclasses.replace(loc, crc32c=encode_crc32c(crc)))
+            return name, receipt, locations
+
+        shards = self._split(plan.items)
+        if len(shards) == 1:
+            written = [write_shard(0, shards[0])]
+        else:
+            # several shard files at once: a filesystem serialises buffered writes to one file
+            # (ext4's inode lock), so one file per rank cannot use the parts' parallelism there
+            with ThreadPoolExecutor(
+                min(len(shards), self._spread), thread_name_prefix="objckpt-dcp-shard"
+            ) as pool:
+                written = list(pool.map(write_shard, range(len(shards)), shards))
+        for name, receipt, locations in written:
             for item, loc in locations:
                 loc = dataclasses.replace(loc, receipt=None if loc.origin is not None else receipt)
                 results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
@@ -329,16 +346,25 @@ class ObjckptStorageWriter(StorageWriter):
 
     def _split(self, items: list[WriteItem]) -> list[list[WriteItem]]:
         """Pack items into shards: bytes items first (small, like DCP's writer), then tensors in
-        plan order, a new shard whenever one would exceed ``max_shard_bytes``. A rank with no
+        plan order, a new shard whenever one would exceed ``max_shard_bytes`` or, for a rank
+        holding at least two spreads' worth, its share of the rank's bytes over the shards
+        written at once (``min(max_in_flight, bytes / (_SPREAD_PARTS parts))``). A rank with no
         items still writes one empty shard so its receipt shows it took part in the save."""
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
             i for i in items if i.type != WriteItemType.BYTE_IO
         ]
+        # a large rank's items spread over up to max_in_flight shards written at once (each
+        # at least _SPREAD_PARTS parts), so their files are written in parallel
+        total = sum(item.tensor_storage_size() or 0 for item in ordered)
+        self._spread = max(1, min(self.store.max_in_flight, total // (_SPREAD_PARTS * self.store.part_size)))
+        limit = (
+            min(self.max_shard_bytes, -(-total // self._spread)) if self._spread > 1 else self.max_shard_bytes
+        )
         shards: list[list[WriteItem]] = [[]]
         size = 0
         for item in ordered:
             n = item.tensor_storage_size() or 0
-            if shards[-1] and size + n > self.max_shard_bytes:
+            if shards[-1] and size + n > limit:
                 shards.append([])
                 size = 0
             shards[-1].append(item)
