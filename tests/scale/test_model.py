@@ -22,7 +22,9 @@ NO_LATENCY = NetworkModel(request_latency_s=0.0, list_latency_s=0.0, error_laten
 
 
 def _store(profile: StoreProfile, network: NetworkModel = NO_LATENCY, **options: object) -> SimulatedStore:
-    return SimulatedStore(MemoryStore("t", retry=RetryPolicy(max_attempts=1)), profile=profile, network=network, **options)
+    return SimulatedStore(
+        MemoryStore("t", retry=RetryPolicy(max_attempts=1)), profile=profile, network=network, **options
+    )
 
 
 def test_a_partition_limit_of_n_per_second_accepts_exactly_n_per_second() -> None:
