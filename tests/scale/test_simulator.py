@@ -10,7 +10,6 @@ from functools import cache
 import pytest
 
 from objckpt._retry import RetryPolicy
-
 from objckpt.testing.scale import FIXES, FixNotBuilt, RateLimits, ScaleOptions, StoreProfile, run_scenario
 from objckpt.testing.scale.adapter import REPLICATED
 from objckpt.testing.scale.scenario import ScenarioResult
