@@ -1,5 +1,5 @@
 """The simulator itself: its rate limits throttle at their rate on the virtual clock, latency and
-bandwidth add up as modelled, the virtual clock never sleeps for real, pacing orders requests,
+bandwidth add up as modelled, the virtual clock never sleeps for real, the baton orders requests,
 partitions split and buckets ramp as documented."""
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_the_virtual_clock_never_sleeps_for_real(monkeypatch: pytest.MonkeyPatch
     assert tenacity.nap.time is time
 
 
-def test_pacing_keeps_requests_in_virtual_time_order() -> None:
+def test_the_baton_keeps_requests_in_virtual_time_order() -> None:
     store = _store(StoreProfile.unlimited(), NetworkModel(request_latency_s=0.01))
     order: list[float] = []
     lock = threading.Lock()
@@ -192,15 +192,15 @@ def test_pacing_keeps_requests_in_virtual_time_order() -> None:
             for i in range(100):
                 store.put(f"k{tl.rank}-{i}", b"x")
 
-    with clock.virtual_time(lag=0.05) as pacer:
-        assert pacer is not None
+    with clock.virtual_time(lag=0.05) as baton:
+        assert baton is not None
         # hold the baton while the threads start, so all of them queue for it (in a scenario a
         # collective lines them up the same way)
         with clock.acting_as(clock.Timeline(0.0)):
             threads = [threading.Thread(target=body, args=(tl,)) for tl in timelines]
             for t in threads:
                 t.start()
-            while len(pacer._ready) < len(threads):
+            while len(baton._ready) < len(threads):
                 time.sleep(0.001)
         for t in threads:
             t.join()

@@ -491,14 +491,14 @@ def run_scenario(options: ScaleOptions, *, log: Any = None) -> ScenarioResult:
     adapter = Adapter(options)
     saves: list[PhaseResult] = []
     restore: PhaseResult | None = None
-    pacer: clock.Pacer | None = None
+    baton: clock.Baton | None = None
     with contextlib.ExitStack() as stack:
         # Cyclic GC over thousands of thread stacks costs ~25% of the run; collect once at the end.
         if gc.isenabled():
             gc.disable()
             stack.callback(gc.enable)
             stack.callback(gc.collect)
-        pacer = stack.enter_context(clock.virtual_time(lag=options.lag))
+        baton = stack.enter_context(clock.virtual_time(lag=options.lag))
         stack.enter_context(_charged_decode(options.memoize_manifest_decode))
         for ctx in contexts:
             stack.enter_context(ctx)
@@ -552,8 +552,8 @@ def run_scenario(options: ScaleOptions, *, log: Any = None) -> ScenarioResult:
         manifest_decode_s=decode_s,
         manifest_encode_s=encode_s,
         wall_s=time.perf_counter() - started,
-        pace_waits=pacer.waits if pacer is not None else 0,
-        lag_violations=pacer.violations if pacer is not None else 0,
+        pace_waits=baton.waits if baton is not None else 0,
+        lag_violations=baton.violations if baton is not None else 0,
     )
 
 

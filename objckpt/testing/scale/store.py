@@ -282,7 +282,7 @@ class SimulatedStore(_Wrapper):
     def _invoke(self, op: str, key: str, keys: list[str] | None, fn: Any, *args: Any) -> Any:
         tl = clock.current()
         if tl is not None:
-            clock.pace()  # requests reach the rate limiter in virtual-time order (to within the lag)
+            clock.before_request()  # requests reach the rate limiter in virtual-time order (to within the lag)
         self._record(op, key, tl)
         kind = op_kind(op)
         if tl is None:
