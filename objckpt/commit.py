@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Union
 
 from . import layout
@@ -26,7 +27,7 @@ from .errors import (
 )
 from .manifest import Manifest, Pointer, Reference, ShardReceipt
 from .reader import Reader
-from .store.base import PutMode, Store, time_budget
+from .store.base import ObjectMeta, PutMode, Store, time_budget
 
 __all__ = ["Coordinator", "RankReport", "advance_pointer"]
 
@@ -39,6 +40,8 @@ _WARNED_NON_ATOMIC: set[str] = set()
 
 #: rank used in ``CommitError.failures`` for a stray key that lies under no rank's prefix
 NO_RANK = -1
+#: LISTs of spread attempt prefixes the coordinator runs at once
+_LIST_THREADS = 16
 
 
 class Coordinator:
@@ -92,6 +95,7 @@ class Coordinator:
         timeline: int = 0,
         after: tuple[int, int] | None = None,
         references: Mapping[int, Sequence[Reference]] | None = None,
+        listings: Mapping[int, Sequence[ObjectMeta]] | None = None,
     ) -> Manifest:
         """Commit ``attempt`` of ``step`` on ``timeline`` from every rank's receipts; return its
         manifest.
@@ -106,9 +110,13 @@ class Coordinator:
         the size, version and CRC32C recorded there, and present in the store as such; anything
         else fails the commit naming the rank (invariant 5).
 
+        ``listings``: per rank, its own LIST of its rank prefix (``verify="ranks"``), checked
+        against its receipts instead of the coordinator listing the attempt itself.
+
         Steps: (1) every rank ``0..world_size-1`` reported receipts, each under its own rank's
-        prefix of this attempt; (2) one LIST of the attempt prefix (per 1,000 shards) shows every
-        expected key with the receipt's size and version, and no other key; (3) the parent is the
+        prefix of this attempt (spread or not); (2) one LIST of each attempt prefix used (per
+        1,000 shards; or the ranks' own listings) shows every expected key with the receipt's
+        size and version, and no other key; (3) the parent is the
         currently committed latest; (4) the manifest is written create-if-absent: the commit
         point; (5) ``LATEST`` is advanced forward-only by compare-and-swap.
 
@@ -126,7 +134,7 @@ class Coordinator:
         layout.check_attempt_id(attempt)
         layout.check_timeline(timeline)
         expected = self._check_reports(step, attempt, receipts)
-        self._check_store(step, attempt, expected)
+        self._check_store(step, attempt, expected, listings)
         parent = self._parent_of(timeline, step, after)
         reused = self._check_references(step, attempt, parent, references or {})
         manifest = Manifest.create(
@@ -173,14 +181,18 @@ class Coordinator:
             if isinstance(report, str):
                 failures[rank] = report or "failed (no reason given)"
                 continue
-            prefix = layout.rank_prefix(step, attempt, rank)
             problems: list[str] = []
             for r in report:
                 if not isinstance(r, ShardReceipt):
                     problems.append(f"not a ShardReceipt: {type(r).__name__}")
-                elif r.rank != rank or not r.key.startswith(prefix):
-                    problems.append(f"receipt {r.key!r} (rank {r.rank}) is outside its prefix {prefix!r}")
-                elif r.key != layout.shard_key(step, attempt, rank, r.name):
+                    continue
+                parsed = layout.parse_shard_key(r.key)  # either layout: spread or not
+                if r.rank != rank or parsed is None or parsed[:3] != (step, attempt, rank):
+                    prefix = layout.rank_prefix(step, attempt, rank)
+                    problems.append(
+                        f"receipt {r.key!r} (rank {r.rank}) is outside its prefix {prefix!r} (or its spread form)"
+                    )
+                elif parsed[3] != r.name:
                     problems.append(f"receipt {r.key!r} does not match its name {r.name!r}")
                 elif r.key in expected:
                     problems.append(f"receipt {r.key!r} reported twice")
@@ -197,22 +209,57 @@ class Coordinator:
 
     # -- 2. receipts against the store itself
 
-    def _check_store(self, step: int, attempt: str, expected: Mapping[str, ShardReceipt]) -> None:
-        prefix = layout.attempt_prefix(step, attempt)
+    def _check_store(
+        self,
+        step: int,
+        attempt: str,
+        expected: Mapping[str, ShardReceipt],
+        listings: Mapping[int, Sequence[ObjectMeta]] | None = None,
+    ) -> None:
+        """Every receipt against a listing of the store: present, same size, version and CRC32C,
+        and nothing else under the prefixes listed.
+
+        ``listings`` None: the coordinator LISTs itself every attempt prefix the receipts use
+        (one per spread prefix used, in parallel; one LIST per 1,000 shards under each).
+        Otherwise each rank's own LIST of its rank prefix (``verify="ranks"``), checked against
+        that rank's receipts: the coordinator makes no request.
+        """
         failures: dict[int, list[str]] = {}
 
         def fail(rank: int, why: str) -> None:
             failures.setdefault(rank, []).append(why)
 
+        listed: list[tuple[ObjectMeta, int | None]] = []  # (what the store holds, who listed it)
+        if listings is None:
+            prefixes = sorted({p for k in expected if (p := layout.attempt_prefix_of(k)) is not None})
+            if not prefixes:  # no receipts at all: the attempt prefix must be empty too
+                prefixes = [layout.attempt_prefix(step, attempt)]
+            if len(prefixes) == 1:  # the layout without spreading: the one LIST, on this thread
+                pages = [list(self.store.list(prefixes[0]))]
+            else:
+                with ThreadPoolExecutor(
+                    min(_LIST_THREADS, len(prefixes)), thread_name_prefix="objckpt-verify"
+                ) as pool:
+                    pages = list(pool.map(lambda p: list(self.store.list(p)), prefixes))
+            listed = [(meta, None) for page in pages for meta in page]
+        else:
+            for rank in range(self.world_size):
+                if rank not in listings:
+                    fail(rank, "sent no listing of its prefix (verify='ranks')")
+                listed.extend((meta, rank) for meta in listings.get(rank, ()))
         seen: set[str] = set()
-        # One LIST per 1,000 shards instead of a HEAD per shard.
-        for meta in self.store.list(prefix):
+        for meta, lister in listed:
             r = expected.get(meta.key)
-            if r is None:
+            parsed = layout.parse_shard_key(meta.key)
+            owner = parsed[2] if parsed is not None and parsed[:2] == (step, attempt) else NO_RANK
+            if r is None or (lister is not None and r.rank != lister):
                 # A zombie writer (e.g. a rank of an earlier incarnation still uploading) or a
                 # stray object: committing would publish an attempt whose prefix holds data no
-                # receipt vouches for.
-                fail(_rank_of(meta.key, prefix), f"unexpected object {meta.key!r} in the attempt prefix")
+                # receipt vouches for (or a rank listed what is not under its own prefix).
+                fail(
+                    owner if lister is None else lister,
+                    f"unexpected object {meta.key!r} in the attempt prefix",
+                )
                 continue
             seen.add(meta.key)
             if meta.size != r.size:
@@ -343,7 +390,8 @@ class Coordinator:
                 continue
             parsed = layout.parse_shard_key(ref.key)
             assert parsed is not None  # a Reference's key is a shard key (validated when built)
-            prefix = layout.attempt_prefix(parsed[0], parsed[1])  # the origin's attempt: one LIST each
+            prefix = layout.attempt_prefix_of(ref.key)  # the origin's attempt (prefix): one LIST each
+            assert prefix is not None
             if prefix not in prefixes:
                 prefixes[prefix] = {m.key: m for m in self.store.list(prefix)}
             meta = prefixes[prefix].get(ref.key)
@@ -504,11 +552,3 @@ def _cas_rounds(
         except (PreconditionFailedError, AlreadyExistsError):
             continue  # a concurrent coordinator moved it: re-read and decide again
     return None, rounds
-
-
-def _rank_of(key: str, attempt_prefix: str) -> int:
-    rest = key[len(attempt_prefix) :]
-    head = rest.split("/", 1)[0]
-    if len(head) == 5 and head.isdigit() and "/" in rest:
-        return int(head)
-    return NO_RANK

@@ -18,6 +18,7 @@ always younger. Incomplete multipart uploads are aborted under the same grace pe
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
@@ -293,7 +294,7 @@ def plan_gc(
         if parsed_key is not None:
             referenced.add(parsed_key[:2])
     unreadable_steps = {step for _, step in unreadable}
-    for prefix in store.list_prefixes(layout.DATA_PREFIX):
+    for prefix in _attempt_prefixes(store):
         parsed = layout.parse_attempt_prefix(prefix)
         if parsed is None:
             plan.notes.append(f"{prefix}: not an objckpt attempt prefix")
@@ -450,3 +451,18 @@ def retain(
     except Exception as exc:  # noqa: BLE001 - the save is committed whatever happens here
         log.warning("retention under %s failed (checkpoints are intact): %s", store.location, exc)
         return None
+
+
+def _attempt_prefixes(store: Store) -> list[str]:
+    """Every prefix one level below ``data/`` that may be an attempt's, and below each spread
+    prefix ``data/<spread>/`` (layout.py) the attempt prefixes there: both layouts. The (up to
+    256) spread prefixes are listed 16 at a time."""
+    spread: list[str] = []
+    out: list[str] = []
+    for prefix in store.list_prefixes(layout.DATA_PREFIX):
+        (spread if layout.is_spread_prefix(prefix) else out).append(prefix)
+    if spread:
+        with ThreadPoolExecutor(min(16, len(spread)), thread_name_prefix="objckpt-gc") as pool:
+            for below in pool.map(store.list_prefixes, spread):
+                out.extend(below)
+    return out

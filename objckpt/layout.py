@@ -5,16 +5,25 @@
     <root>/manifests/<step:020d>.json                     a committed step of timeline 0
     <root>/manifests/t<timeline:010d>-<step:020d>.json    a committed step of timeline >= 1
     <root>/quarantine/<timeline:010d>-<step:020d>.json    a checkpoint set aside (restore skips it)
-    <root>/data/<step:020d>-<attempt>/<rank:05d>/NAME     shards, create-if-absent
+    <root>/data/<spread>/<step:020d>-<attempt>/<rank:05d>/NAME   shards, create-if-absent
+    <root>/data/<step:020d>-<attempt>/<rank:05d>/NAME     shards of older saves (no spreading)
 
 Manifest keys sort exactly as ``(timeline, step)``: timeline 0 keeps the revision-1 key (so a
 revision-1 run root *is* timeline 0, and stays readable and writable), and every later timeline's
 keys start with ``t``, which sorts after every digit. "Manifests newer than the pointer's" is
 therefore one ``start_after`` LIST, never a scan of shard prefixes.
+
+``<spread>`` (invariant 16) is two hex digits of a hash of (step, attempt, rank)
+(:func:`spread_of`): one save's shards, and one restore's reads, fall on up to 256 key prefixes
+that are the same for every save (S3 partitions them once, not per save), while one rank's
+shards stay under one prefix. Keys without it (revision-1/2 run roots, or
+``key_spreading=False``) stay valid: every parser here accepts both forms, a spread key only
+with the digits :func:`spread_of` gives.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 
@@ -113,43 +122,119 @@ def parse_quarantine_key(key: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def attempt_prefix(step: int, attempt: str) -> str:
-    return f"{DATA_PREFIX}{check_step(step):020d}-{check_attempt_id(attempt)}/"
+#: the spreading component of a shard key: this many hex digits (16 ** 2 = 256 prefixes)
+SPREAD_DIGITS = 2  # the regular expressions below spell it out: {2}
+_SPREAD_RE = re.compile(r"^[0-9a-f]{2}\Z", re.ASCII)
+
+
+def spread_of(step: int, attempt: str, rank: int) -> str:
+    """The spreading component of ``rank``'s shard keys in this attempt: the first hex digits of
+    a BLAKE2b hash of ``<step:020d>-<attempt>/<rank:05d>`` (uniform over the 256 prefixes)."""
+    text = f"{check_step(step):020d}-{check_attempt_id(attempt)}/{_check_rank(rank):05d}"
+    return hashlib.blake2b(text.encode("ascii"), digest_size=8).hexdigest()[:SPREAD_DIGITS]
+
+
+def spread_prefix(spread: str) -> str:
+    """``data/<spread>/``: one of the 256 prefixes spread shard keys lie under."""
+    if not isinstance(spread, str) or not _SPREAD_RE.match(spread):
+        raise ValueError(f"spread must be {SPREAD_DIGITS} lowercase hex digits, got {spread!r}")
+    return f"{DATA_PREFIX}{spread}/"
+
+
+def attempt_prefix(step: int, attempt: str, spread: str | None = None) -> str:
+    """``data/<step>-<attempt>/``, or with ``spread`` ``data/<spread>/<step>-<attempt>/`` (one of
+    the prefixes a spread attempt's shards lie under)."""
+    base = DATA_PREFIX if spread is None else spread_prefix(spread)
+    return f"{base}{check_step(step):020d}-{check_attempt_id(attempt)}/"
+
+
+_SPREAD_ATTEMPT_RE = re.compile(r"^data/([0-9a-f]{2})/(\d{20})-([0-9a-f]{16})/\Z", re.ASCII)
 
 
 def parse_attempt_prefix(prefix: str) -> tuple[int, str] | None:
-    """``(step, attempt)`` for a ``data/<step>-<attempt>/`` prefix, else None."""
+    """``(step, attempt)`` for a ``data/<step>-<attempt>/`` or ``data/<spread>/<step>-<attempt>/``
+    prefix, else None."""
     m = _ATTEMPT_RE.match(prefix)
-    return (int(m.group(1)), m.group(2)) if m else None
+    if m:
+        return (int(m.group(1)), m.group(2))
+    m = _SPREAD_ATTEMPT_RE.match(prefix)
+    return (int(m.group(2)), m.group(3)) if m else None
 
 
-def rank_prefix(step: int, attempt: str, rank: int) -> str:
-    if not isinstance(rank, int) or not 0 <= rank <= 99999:
+def is_spread_prefix(prefix: str) -> bool:
+    """Is ``prefix`` one of the ``data/<spread>/`` prefixes (GC walks one level below them)?"""
+    return len(prefix) == len(DATA_PREFIX) + SPREAD_DIGITS + 1 and bool(
+        prefix.startswith(DATA_PREFIX) and prefix.endswith("/") and _SPREAD_RE.match(prefix[5:-1])
+    )
+
+
+def _check_rank(rank: int) -> int:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= 99999:
         raise ValueError(f"rank must be an int in [0, 99999], got {rank!r}")
-    return f"{attempt_prefix(step, attempt)}{rank:05d}/"
+    return rank
+
+
+def rank_prefix(step: int, attempt: str, rank: int, *, spread: bool = False) -> str:
+    """The prefix of ``rank``'s shards in this attempt; ``spread``: under its spreading prefix."""
+    _check_rank(rank)
+    where = spread_of(step, attempt, rank) if spread else None
+    return f"{attempt_prefix(step, attempt, where)}{rank:05d}/"
 
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*\Z", re.ASCII)
 
 
-def shard_key(step: int, attempt: str, rank: int, name: str) -> str:
-    """Key of shard ``name`` written by ``rank`` in this attempt.
+def shard_key(step: int, attempt: str, rank: int, name: str, *, spread: bool = False) -> str:
+    """Key of shard ``name`` written by ``rank`` in this attempt (``spread``: under its
+    spreading prefix, :func:`spread_of`).
 
     ``name`` may contain ``/`` but no empty, ``.`` or ``..`` segments and only
     ``[A-Za-z0-9._-]`` characters, so keys are portable across S3, GCS and file systems.
     """
-    if not _NAME_RE.match(name) or any(seg in (".", "..") for seg in name.split("/")):
+    if (
+        not isinstance(name, str)
+        or not _NAME_RE.match(name)
+        or any(seg in (".", "..") for seg in name.split("/"))
+    ):
         raise ValueError(f"invalid shard name {name!r}: use [A-Za-z0-9._-] segments joined by '/'")
-    return rank_prefix(step, attempt, rank) + name
+    return rank_prefix(step, attempt, rank, spread=spread) + name
 
 
-_SHARD_RE = re.compile(r"^data/(\d{20})-([0-9a-f]{16})/(\d{5})/(.+)\Z", re.ASCII)
+_SHARD_RE = re.compile(r"^data/(?:([0-9a-f]{2})/)?(\d{20})-([0-9a-f]{16})/(\d{5})/(.+)\Z", re.ASCII)
 
 
 def parse_shard_key(key: str) -> tuple[int, str, int, str] | None:
-    """``(step, attempt, rank, name)`` of a shard key, or None if ``key`` is not one."""
+    """``(step, attempt, rank, name)`` of a shard key, spread or not, or None if ``key`` is not
+    one (a spread key whose digits are not :func:`spread_of` its step, attempt and rank is not)."""
     m = _SHARD_RE.match(key)
-    return (int(m.group(1)), m.group(2), int(m.group(3)), m.group(4)) if m else None
+    if not m:
+        return None
+    step, attempt, rank, name = int(m.group(2)), m.group(3), int(m.group(4)), m.group(5)
+    if m.group(1) is not None and m.group(1) != spread_of(step, attempt, rank):
+        return None
+    return (step, attempt, rank, name)
+
+
+def is_shard_key_of(key: str, step: int, attempt: str, rank: int, name: str) -> bool:
+    """Is ``key`` the key of shard ``name`` of ``rank`` in this attempt, in either layout?"""
+    plain = shard_key(step, attempt, rank, name)  # validates every part
+    if key == plain:
+        return True
+    return key == f"{DATA_PREFIX}{spread_of(step, attempt, rank)}/{plain[len(DATA_PREFIX) :]}"
+
+
+def attempt_prefix_of(key: str) -> str | None:
+    """The attempt prefix a shard key lies under (``data/[<spread>/]<step>-<attempt>/``): what
+    one LIST covers when checking it. None if ``key`` is not a shard key."""
+    parsed = parse_shard_key(key)
+    if parsed is None:
+        return None
+    spread = (
+        key[len(DATA_PREFIX) : len(DATA_PREFIX) + SPREAD_DIGITS]
+        if key[len(DATA_PREFIX) + SPREAD_DIGITS] == "/"
+        else None
+    )
+    return attempt_prefix(parsed[0], parsed[1], spread)
 
 
 def validate_key_in_root(key: str) -> str:

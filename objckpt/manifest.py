@@ -428,7 +428,15 @@ class Manifest:
 
     @property
     def attempt_prefix(self) -> str:
+        """The attempt's prefix in the layout without spreading (``data/<step>-<attempt>/``);
+        its shards may lie under spread prefixes instead: see :attr:`attempt_prefixes`."""
         return layout.attempt_prefix(self.step, self.attempt)
+
+    @property
+    def attempt_prefixes(self) -> list[str]:
+        """Every attempt prefix this checkpoint's own shards lie under (one per spread prefix
+        used, or the one unspread prefix), sorted."""
+        return sorted({p for s in self.shards if (p := layout.attempt_prefix_of(s.key)) is not None})
 
     @property
     def total_size(self) -> int:
@@ -545,7 +553,6 @@ class Manifest:
         raw_shards = obj["shards"]
         if not isinstance(raw_shards, list):
             raise Invalid("shards must be a JSON array")
-        prefix = layout.attempt_prefix(step, attempt)
         shards: list[ShardReceipt] = []
         seen: set[str] = set()
         for i, raw in enumerate(raw_shards):
@@ -555,19 +562,23 @@ class Manifest:
                 raise Invalid(f"shard #{i}: {exc}") from None
             # validate_key_in_root raises ManifestError naming the key
             layout.validate_key_in_root(receipt.key)
-            if not receipt.key.startswith(prefix):
+            # either layout (layout.py): with or without the spreading prefix
+            parsed = layout.parse_shard_key(receipt.key)
+            if parsed is None or parsed[:2] != (step, attempt):
                 raise Invalid(
-                    f"shard key {receipt.key!r} lies outside this manifest's attempt prefix {prefix!r}"
+                    f"shard key {receipt.key!r} lies outside this manifest's attempt prefix "
+                    f"{layout.attempt_prefix(step, attempt)!r} (or a spread one)"
                 )
             if receipt.rank >= world_size:
                 raise Invalid(f"shard {receipt.key!r} has rank {receipt.rank} >= world_size {world_size}")
             try:
-                own = layout.shard_key(step, attempt, receipt.rank, receipt.name)
+                own = layout.is_shard_key_of(receipt.key, step, attempt, receipt.rank, receipt.name)
             except ValueError as exc:
                 raise Invalid(f"shard {receipt.key!r}: {exc}") from None
-            if receipt.key != own:
+            if not own:
                 raise Invalid(
-                    f"shard key {receipt.key!r} is not rank {receipt.rank}'s key for {receipt.name!r} ({own!r})"
+                    f"shard key {receipt.key!r} is not rank {receipt.rank}'s key for {receipt.name!r} "
+                    f"({layout.shard_key(step, attempt, receipt.rank, receipt.name)!r} or its spread form)"
                 )
             if receipt.key in seen:
                 raise Invalid(f"shard key {receipt.key!r} is listed twice")
@@ -587,7 +598,7 @@ class Manifest:
             metadata=obj["metadata"],
             checksum=checksum,
             timeline=timeline,
-            references=_references(obj.get("references", []), (timeline, step), prefix),
+            references=_references(obj.get("references", []), (timeline, step), (step, attempt)),
             format_version=version,
         )
 
@@ -612,7 +623,7 @@ def _parent(value: Any, version: int, timeline: int, step: int) -> tuple[int | N
     return p_step, p_timeline
 
 
-def _references(raw: Any, own: tuple[int, int], own_prefix: str) -> tuple[Reference, ...]:
+def _references(raw: Any, own: tuple[int, int], own_attempt: tuple[int, str]) -> tuple[Reference, ...]:
     if not isinstance(raw, list):
         raise Invalid("references must be a JSON array")
     out: list[Reference] = []
@@ -623,7 +634,8 @@ def _references(raw: Any, own: tuple[int, int], own_prefix: str) -> tuple[Refere
         except (Invalid, ValueError) as exc:
             raise Invalid(f"reference #{i}: {exc}") from None
         layout.validate_key_in_root(ref.key)
-        if ref.key.startswith(own_prefix):
+        parsed = layout.parse_shard_key(ref.key)
+        if parsed is not None and parsed[:2] == own_attempt:
             raise Invalid(
                 f"reference {ref.key!r} lies in this checkpoint's own attempt: it is a shard, not a reference"
             )

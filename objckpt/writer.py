@@ -1,7 +1,8 @@
 """Per-rank shard writing (invariants 1-4).
 
 Each rank of a save writes its shards with one :class:`ShardWriter` under its own prefix of the
-attempt, ``data/<step>-<attempt>/<rank>/<name>``, create-if-absent: a shard is never
+attempt, ``data/<spread>/<step>-<attempt>/<rank>/<name>`` (``key_spreading=False``: without
+``<spread>``, the layout of older saves), create-if-absent: a shard is never
 overwritten, and a retried save is a new attempt with new keys. Large shards stream through the
 store's bounded multipart upload (peak memory ``part_size x (max_in_flight + 1)``, a CRC32C on
 every part, abort on failure, transient errors retried by the store's one retry policy).
@@ -31,6 +32,8 @@ class ShardWriter:
         step, attempt, rank: where the shards go (``layout.rank_prefix``).
         part_size, max_in_flight: override the store's multipart settings for these shards.
         sha256: also compute each shard's SHA-256 while streaming (costs CPU; off by default).
+        key_spreading: put the shards under this rank's spreading prefix (``layout.spread_of``,
+            invariant 16; default); ``False``: ``data/<step>-<attempt>/<rank>/`` as before.
 
     Raises:
         NotSupportedError: the store cannot enforce create-if-absent (shards could be
@@ -48,6 +51,7 @@ class ShardWriter:
         part_size: int | None = None,
         max_in_flight: int | None = None,
         sha256: bool = False,
+        key_spreading: bool = True,
     ) -> None:
         if not store.capabilities.create_if_absent:
             raise NotSupportedError(
@@ -63,7 +67,10 @@ class ShardWriter:
         self.step = step
         self.attempt = attempt
         self.rank = rank
-        self.prefix = layout.rank_prefix(step, attempt, rank)  # validates all three
+        self.key_spreading = bool(key_spreading)
+        self.prefix = layout.rank_prefix(
+            step, attempt, rank, spread=self.key_spreading
+        )  # validates all three
         self.part_size = part_size
         self.max_in_flight = max_in_flight
         self.sha256 = sha256
@@ -72,7 +79,7 @@ class ShardWriter:
 
     def key_for(self, name: str) -> str:
         """The key shard ``name`` gets (``ValueError`` for a name that is not portable)."""
-        return layout.shard_key(self.step, self.attempt, self.rank, name)
+        return layout.shard_key(self.step, self.attempt, self.rank, name, spread=self.key_spreading)
 
     def write(
         self,
@@ -80,8 +87,13 @@ class ShardWriter:
         source: BytesSource,
         *,
         progress: Callable[[int], None] | None = None,
+        size: int | None = None,
     ) -> ShardReceipt:
         """Stream ``source`` (bytes, an iterable of buffers, or a binary file) into shard ``name``.
+
+        ``size``: the shard's size when the caller knows it (a bytes-like source says it
+        itself): the part size then follows it (``Store.part_size_for``: S3's 10,000-part limit,
+        >= 32 MiB parts for big shards), unless this writer was given a ``part_size``.
 
         Atomicity: the shard appears whole or not at all; it is created only if absent, so an
         existing object is never replaced. On failure a multipart upload is aborted and the
@@ -95,7 +107,9 @@ class ShardWriter:
             ValueError: ``name`` is not a valid shard name.
         """
         key = self.key_for(name)
-        part_size = self.part_size or self.store.part_size
+        if size is None and isinstance(source, (bytes, bytearray, memoryview)):
+            size = memoryview(source).nbytes
+        part_size = self.part_size or self.store.part_size_for(size)
         crc = Crc32c()
         digest = hashlib.sha256() if self.sha256 else None
         counted = [0]

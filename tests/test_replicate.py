@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from objckpt import layout
 from objckpt._retry import RetryPolicy
 from objckpt.commit import Coordinator
 from objckpt.errors import ChecksumMismatchError, CommitConflict, NoCheckpointError
@@ -72,7 +73,7 @@ def test_replicate_latest_is_a_real_commit_with_identical_bytes(src, dst):
     assert reader.latest() == m and reader.pointer().step == 20
     assert reader.verify(m) == []
     for s in m.shards:
-        assert s.key.startswith(m.attempt_prefix)
+        assert layout.parse_shard_key(s.key)[:2] == (m.step, m.attempt)  # the copy's own attempt
         assert reader.read_shard(s) == content(20, s.rank, s.name, 5000)
 
 

@@ -1,7 +1,8 @@
 """What the save and restore sessions need from the process world, and two torch-free worlds.
 
 A :class:`Comm` moves small JSON-able values between the ranks of one job: ``gather`` to rank 0,
-``broadcast`` from rank 0, and ``broadcast_bytes`` for raw bytes (a resolved manifest). On top of
+``broadcast`` from rank 0, and ``broadcast_bytes`` for raw bytes from any rank (a resolved manifest, a shard read once for
+the whole job). On top of
 them :func:`agree` is the protocol's one decision primitive: every rank sends what it knows, rank 0
 decides, and every rank returns the same value or raises the same error (invariants 4, 5, 13).
 
@@ -65,15 +66,20 @@ class Comm(ABC):
     def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
         """Rank 0's JSON-able ``obj`` on every rank (the argument is ignored elsewhere)."""
 
-    def broadcast_bytes(self, data: bytes | None, what: str) -> bytes:
-        """Rank 0's ``data`` on every rank. The default sends it as base64 JSON; transports with
-        a byte path (gloo tensors) override it."""
+    def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
+        """Rank ``src``'s ``data`` on every rank (the argument is ignored elsewhere). The default
+        sends it as base64 JSON (from a rank other than 0 through a gather to rank 0 first);
+        transports with a byte path (gloo tensors, threads) override it."""
         import base64
 
-        text = base64.b64encode(data).decode("ascii") if self.rank == 0 and data is not None else None
+        _check_src(self, src, what)
+        text = base64.b64encode(data).decode("ascii") if self.rank == src and data is not None else None
+        if src != 0:
+            gathered = self.gather(text, what)
+            text = gathered[src] if gathered is not None else None
         got = self.broadcast(text, what)
         if not isinstance(got, str):
-            raise DistributedError(f"{what}: rank 0 sent no bytes")
+            raise DistributedError(f"{what}: rank {src} sent no bytes")
         return base64.b64decode(got)
 
     def background(self) -> Comm:
@@ -117,6 +123,11 @@ def agree(
     return outcome["ok"]  # type: ignore[no-any-return]
 
 
+def _check_src(comm: Comm, src: int, what: str) -> None:
+    if not isinstance(src, int) or not 0 <= src < comm.world_size:
+        raise ValueError(f"{what}: source rank {src!r} outside world of size {comm.world_size}")
+
+
 class LocalComm(Comm):
     """One process: every collective is the identity (values still take the JSON round trip,
     so a single-process job fails on a value that a distributed one could not send)."""
@@ -127,7 +138,8 @@ class LocalComm(Comm):
     def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
         return _wire(obj)
 
-    def broadcast_bytes(self, data: bytes | None, what: str) -> bytes:
+    def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
+        _check_src(self, src, what)
         if data is None:
             raise DistributedError(f"{what}: rank 0 sent no bytes")
         return bytes(data)
@@ -238,6 +250,18 @@ class ThreadWorld:
             self.collectives += 1
         return out
 
+    def _share(self, rank: int, src: int, data: bytes | None, what: str) -> bytes | None:
+        """Rank ``src``'s bytes on every rank, without a JSON round trip (raw bytes are what a
+        byte transport carries); ``None`` when ``src`` had none."""
+        if rank == src:
+            self._value = None if data is None else bytes(data)
+        self._wait(rank, what)
+        out: bytes | None = self._value
+        self._wait(rank, what)
+        if rank == 0:
+            self.collectives += 1
+        return out
+
     def abort(self) -> None:
         """Break the barrier: every rank waiting (now or later) raises DistributedError."""
         self._barrier.abort()
@@ -269,6 +293,13 @@ class ThreadComm(Comm):
 
     def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
         return self._run(what, lambda: self.world._broadcast(self.rank, obj, what))
+
+    def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
+        _check_src(self, src, what)
+        got = self._run(what, lambda: self.world._share(self.rank, src, data, what))
+        if got is None:
+            raise DistributedError(f"{what}: rank {src} sent no bytes")
+        return got
 
     def background(self) -> Comm:
         return ThreadComm(self.world.channel("background"), self.rank)

@@ -47,7 +47,7 @@ from ..gc import DEFAULT_GRACE_PERIOD, RetentionPolicy, retain
 from ..manifest import Manifest, Reference, ShardReceipt, run_identity
 from ..metrics import CheckpointMetrics
 from ..reader import Reader
-from ..store.base import Store
+from ..store.base import ObjectMeta, Store
 from ..timelines import claim_timeline
 from ..writer import ShardWriter
 from . import lineage
@@ -56,6 +56,10 @@ from .comm import Comm, agree
 __all__ = ["SaveSession", "SaveTicket"]
 
 log = logging.getLogger("objckpt.save")
+
+#: ``SaveSession(verify=)``: who lists the store to check the receipts before a commit
+VERIFY_COORDINATOR, VERIFY_RANKS = "coordinator", "ranks"
+VERIFY_MODES = (VERIFY_COORDINATOR, VERIFY_RANKS)
 
 #: how a rank that disagrees with rank 0 on an ``agree_on`` value is reported
 Disagreement = Callable[[str, int, Any, Any], Exception]
@@ -118,6 +122,16 @@ def _manifest_key_of(body: bytes, step: int) -> str:
     )
 
 
+def _listed(d: Any) -> ObjectMeta:
+    """One entry of a rank's listing of its prefix (``verify="ranks"``)."""
+    crc = d["crc32c"]
+    if not isinstance(d["key"], str) or not isinstance(d["version"], str) or not isinstance(d["size"], int):
+        raise TypeError(f"malformed entry {d!r}")
+    return ObjectMeta(
+        key=d["key"], size=d["size"], version=d["version"], crc32c=crc if isinstance(crc, str) else None
+    )
+
+
 def _check_same_root(hellos: list[dict[str, Any]]) -> None:
     """Every rank must name the same run root: a rank writing elsewhere would commit a
     checkpoint whose shards no reader finds."""
@@ -142,6 +156,12 @@ class SaveSession:
         identity: run identity recorded in every manifest (config hash, dataset snapshot,
             software versions); objckpt, python and loaded frameworks' versions are added.
         label: how the adapter names a save in messages (``save``, ``DCP save``, ...).
+        key_spreading: shard keys under spreading prefixes (``layout.spread_of``; default);
+            ``False``: ``data/<step>-<attempt>/<rank>/`` as before (docs/DESIGN.md, "Scale").
+        verify: ``"coordinator"`` (default): rank 0 LISTs every attempt prefix the receipts use
+            and checks each receipt; ``"ranks"``: each rank LISTs its own rank prefix after its
+            writes and sends the listing with its receipts, rank 0 checks them against each
+            other (W LISTs spread over W ranks, none on rank 0).
     """
 
     def __init__(
@@ -154,7 +174,13 @@ class SaveSession:
         metrics: CheckpointMetrics | None = None,
         identity: Mapping[str, Any] | None = None,
         label: str = "save",
+        key_spreading: bool = True,
+        verify: str = VERIFY_COORDINATOR,
     ) -> None:
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        self.key_spreading = bool(key_spreading)
+        self.verify = verify
         self.store = store
         self.comm = comm
         self.retention = retention
@@ -233,7 +259,13 @@ class SaveSession:
             started=started,
         )
         if not ticket.skip:
-            ticket.writer = ShardWriter(self.store, step=step, attempt=ticket.attempt, rank=comm.rank)
+            ticket.writer = ShardWriter(
+                self.store,
+                step=step,
+                attempt=ticket.attempt,
+                rank=comm.rank,
+                key_spreading=self.key_spreading,
+            )
             if self.metrics is not None:
                 self.metrics.record_save_start(step, ticket.attempt)
         return ticket
@@ -318,6 +350,11 @@ class SaveSession:
             mine["receipts"] = [r.to_dict() for r in ticket.receipts]
             if ticket.references:
                 mine["references"] = [r.to_dict() for r in ticket.references]
+            if self.verify == VERIFY_RANKS:
+                try:
+                    mine["listing"] = self._list_own(ticket)
+                except Exception as exc:  # noqa: BLE001 - reported: rank 0 fails the commit naming us
+                    mine = {"error": f"could not list its own prefix to verify its writes: {exc}"}
         what = f"{self.label}(step={step})"
         reports = comm.gather(mine, f"{what} receipts")
         outcome: dict[str, Any] = {}
@@ -363,6 +400,16 @@ class SaveSession:
         if comm.rank == 0:
             self.retain()
         return manifest
+
+    def _list_own(self, ticket: SaveTicket) -> list[dict[str, Any]]:
+        """``verify="ranks"``: this rank's LIST of its own rank prefix, after its writes."""
+        prefix = ticket.writer.prefix if ticket.writer is not None else ""
+        if not prefix:
+            return []
+        return [
+            {"key": m.key, "size": m.size, "version": m.version, "crc32c": m.crc32c}
+            for m in self.store.list(prefix)
+        ]
 
     def save(
         self,
@@ -411,6 +458,7 @@ class SaveSession:
             )
         receipts: dict[int, Any] = {}
         references: dict[int, list[Reference]] = {}
+        listings: dict[int, list[ObjectMeta]] | None = {} if self.verify == VERIFY_RANKS else None
         for rank, rep in enumerate(reports):
             if rep.get("error"):
                 receipts[rank] = str(rep["error"])
@@ -424,6 +472,12 @@ class SaveSession:
                 ]
             except ManifestError as exc:
                 receipts[rank] = f"sent an invalid receipt: {exc}"
+                continue
+            if listings is not None and isinstance(rep.get("listing"), list):
+                try:
+                    listings[rank] = [_listed(d) for d in rep["listing"]]
+                except (KeyError, TypeError, ValueError) as exc:
+                    receipts[rank] = f"sent an invalid listing of its prefix: {exc}"
         try:
             if self._coordinator is None or self._coordinator.world_size != len(reports):
                 # once per world size: construction checks (and warns about) the store
@@ -440,6 +494,7 @@ class SaveSession:
                 timeline=timeline,
                 after=after,
                 references=references,
+                listings=listings,
             )
             lineage.record(self.store, lineage.Position(manifest, manifest.timeline))
             return manifest

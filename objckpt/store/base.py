@@ -50,6 +50,7 @@ from ..errors import (
     TransientError,
 )
 from ._options import Option
+from .pacing import Pacer, is_throttling
 
 if TYPE_CHECKING:
     from ._uri import ParsedURI
@@ -60,6 +61,11 @@ BytesSource = Union[Buffer, Iterable[Buffer], IO[bytes]]
 MiB = 1024 * 1024
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_IN_FLIGHT = 8
+#: S3's limit on the parts of one multipart upload
+MAX_PARTS = 10_000
+#: objects larger than this get parts of at least BIG_PART_SIZE (fewer requests per shard)
+BIG_OBJECT_SIZE = 1024 * MiB
+BIG_PART_SIZE = 32 * MiB
 DEFAULT_READ_CHUNK = 4 * MiB
 MAX_DELETE_BATCH = 1000
 #: where ``Store.check(write=True)`` writes (and deletes) its probe object
@@ -250,6 +256,11 @@ class Store(ABC):
     #: the smallest non-final part the server accepts (S3: 5 MiB); ``put_stream`` refuses a
     #: smaller ``part_size`` before uploading anything
     min_part_size: int = 1
+    #: :meth:`part_size_for` picks the part size from the object's size (``False``: always
+    #: ``part_size``)
+    auto_part_size: bool = True
+    #: set per instance by ``__init__`` (this default covers subclasses that skip it)
+    pacing: Pacer | None = None
 
     def __init__(
         self,
@@ -273,6 +284,9 @@ class Store(ABC):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._retry_listeners: list[Callable[[BaseException, int], None]] = []
+        #: AIMD limit on this store's concurrent requests, cut on throttling (``pacing.py``);
+        #: ``None``: off (each request only retries)
+        self.pacing: Pacer | None = Pacer()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r})"
@@ -377,8 +391,24 @@ class Store(ABC):
         left = budget_remaining()
         if left is not None and left < policy.deadline:
             policy = dataclasses.replace(policy, deadline=round(max(0.0, left), 1))
+        if self.pacing is not None:
+            fn = self.pacing.wrap(fn)  # each try holds a slot; a throttled one cuts the limit
         with time_budget(policy.deadline):
             return policy.call(fn, *args, on_retry=self._notify_retry)
+
+    def part_size_for(self, size: int | None) -> int:
+        """The part size for an object of ``size`` bytes (``None``: unknown): ``part_size``, at
+        least :data:`BIG_PART_SIZE` for objects over :data:`BIG_OBJECT_SIZE`, always large
+        enough for :data:`MAX_PARTS` parts, never below ``min_part_size``; rounded up to MiB."""
+        part = self.part_size
+        if size is None or not self.auto_part_size:
+            return part
+        if size > BIG_OBJECT_SIZE:
+            part = max(part, BIG_PART_SIZE)
+        need = -(-size // MAX_PARTS)
+        if need > part:
+            part = -(-need // MiB) * MiB
+        return max(part, self.min_part_size)
 
     def _notify_retry(self, exc: BaseException, attempt: int) -> None:
         for listener in self._retry_listeners:
@@ -555,6 +585,8 @@ class Store(ABC):
         streak_started = time.monotonic()
         while True:
             resumed_at = crc.size
+            pacer = self.pacing
+            epoch = pacer.admit() if pacer is not None else 0  # a stream holds no slot
             try:
                 for chunk in self._open(key, crc.size, None):
                     crc.update(chunk)
@@ -565,8 +597,12 @@ class Store(ABC):
                             location=self.location,
                         )
                     yield chunk
+                if pacer is not None:
+                    pacer.report(epoch, throttled=False)
                 break
             except TransientError as exc:
+                if pacer is not None:
+                    pacer.report(epoch, throttled=is_throttling(exc))
                 # A resume that delivered a real amount of data earns a fresh budget: a long
                 # download may meet several unrelated resets. One that delivered little or
                 # nothing counts against the policy's attempts and deadline.

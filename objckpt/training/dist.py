@@ -159,19 +159,26 @@ class DistComm(Comm):
 
         return self._run(what, handshake, go)
 
-    def _broadcast_raw(self, data: bytes, what: str, handshake: bool) -> bytes:
+    def _broadcast_raw(self, data: bytes, what: str, handshake: bool, src: int = 0) -> bytes:
         group = self._group(handshake)
 
         def go() -> bytes:
             dist = torch.distributed
             size = torch.tensor([len(data)], dtype=torch.int64)
-            dist.broadcast(size, group=group, group_src=0)
-            buf = torch.empty(int(size.item()), dtype=torch.uint8)
-            if self.rank == 0 and data:
-                buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            if buf.numel():
-                dist.broadcast(buf, group=group, group_src=0)
-            return bytes(buf.numpy())
+            dist.broadcast(size, group=group, group_src=src)
+            n = int(size.item())
+            if not n:
+                return b""
+            if self.rank == src:
+                # One tensor over the payload itself (no per-byte work, no copy into a second
+                # tensor): a broadcast only reads the source's buffer.
+                source = data if isinstance(data, bytearray) else bytearray(data)
+                dist.broadcast(torch.frombuffer(source, dtype=torch.uint8), group=group, group_src=src)
+                return bytes(data)  # the very object when it is bytes already
+            # Receive straight into the buffer that is returned: one allocation, no copy.
+            out = bytearray(n)
+            dist.broadcast(torch.frombuffer(out, dtype=torch.uint8), group=group, group_src=src)
+            return bytes(out)
 
         return self._run(what, handshake, go)
 
@@ -179,10 +186,14 @@ class DistComm(Comm):
         data = json.dumps(obj, separators=(",", ":")).encode("utf-8") if self.rank == 0 else b""
         return json.loads(self._broadcast_raw(data, what, handshake).decode("utf-8"))
 
-    def broadcast_bytes(self, data: bytes | None, what: str) -> bytes:
-        if self.rank == 0 and data is None:
-            raise DistributedError(f"{what}: rank 0 has no bytes to send")
-        return self._broadcast_raw(bytes(data or b"") if self.rank == 0 else b"", what, False)
+    def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
+        """Rank ``src``'s ``data`` on every rank: its length, then one uint8 tensor broadcast
+        over the data group (large payloads, e.g. a replicated shard read once for the job)."""
+        if not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(f"{what}: source rank {src!r} outside world of size {self.world_size}")
+        if self.rank == src and data is None:
+            raise DistributedError(f"{what}: rank {src} has no bytes to send")
+        return self._broadcast_raw((data or b"") if self.rank == src else b"", what, False, src)
 
     def close(self) -> None:
         """Destroy the gloo groups (owner only); idempotent, never raises."""

@@ -1045,7 +1045,10 @@ def _plan_dcp(
             key = layout.shard_key(manifest.step, manifest.attempt, rank, name)
         except (TypeError, ValueError) as exc:
             raise ManifestError(f"step {manifest.label}: bad shard name {name!r}: {exc}") from None
-        receipt = by_key.get(key)
+        # either layout: the manifest's keys may carry the spreading prefix (layout.py)
+        receipt = by_key.get(key) or by_key.get(
+            layout.shard_key(manifest.step, manifest.attempt, rank, name, spread=True)
+        )
         if receipt is None:
             raise ManifestError(f"step {manifest.label}: DCP data names {key!r}, not in the manifest")
         return receipt

@@ -186,6 +186,14 @@ class CheckpointManager:
         compression: ``None`` (default), ``"zstd"`` (byte-plane split + zstd on float
             tensors) or ``"auto"`` (only for tensor classes where it shortens the save at the
             measured upload bandwidth), see :mod:`.codec`.
+        replicated_read: ``"once"`` (default): on restore each replicated shard is downloaded
+            by one rank and shared over the process group (~1/W of the replicated state per
+            rank); ``"every"``: every rank downloads all of it (docs/DESIGN.md, "Scale").
+        key_spreading: shard keys carry a spreading prefix (``data/<hh>/...``) so one save's
+            requests fall on many key partitions (default); ``False``: the old layout.
+        verify: who checks the receipts against the store before a commit: ``"coordinator"``
+            (default: rank 0 LISTs every attempt prefix used) or ``"ranks"`` (each rank LISTs
+            its own prefix and rank 0 checks those listings against the receipts).
         **store_options: options for :func:`objckpt.store.open_store` when a URI is given
             (``endpoint_url=``, ``path_style=``, ``part_size=``, ...).
 
@@ -217,6 +225,9 @@ class CheckpointManager:
         check: bool | str = True,
         dedup: bool = True,
         compression: str | None = None,
+        replicated_read: str = shards.READ_ONCE,
+        key_spreading: bool = True,
+        verify: str = "coordinator",
         **store_options: Any,
     ) -> None:
         if async_policy not in _POLICIES:
@@ -246,6 +257,11 @@ class CheckpointManager:
         self._staging = StagingArea(max_staging_bytes)  # validates the budget before any collective
         self.async_policy = async_policy
         self.dedup = bool(dedup)
+        if replicated_read not in shards.REPLICATED_READS:
+            raise ValueError(
+                f"replicated_read must be one of {shards.REPLICATED_READS}, got {replicated_read!r}"
+            )
+        self.replicated_read = replicated_read
         self._compression = CompressionPolicy(compression)  # validates before any collective
         self.comm = make_comm(timeout=timeout, handshake_timeout=handshake_timeout, background=True)
         self.rank = self.comm.rank
@@ -285,6 +301,8 @@ class CheckpointManager:
             grace_period=gc_grace_period,
             metrics=metrics,
             identity=identity,
+            key_spreading=key_spreading,
+            verify=verify,
         )
         self._restores = RestoreSession(self.store, self.comm, metrics=metrics, mirror=self._mirror_store)
         self._restores.primary_down = self._primary_down  # the first restore skips a primary known down
@@ -527,6 +545,8 @@ class CheckpointManager:
                 rank=self.rank,
                 world_size=self.world_size,
                 strict=strict,
+                comm=self.comm,
+                replicated_read=self.replicated_read,
             )
 
         def apply(manifest: Manifest, staged: shards.Staged) -> None:

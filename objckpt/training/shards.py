@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from .. import layout
+from ..coordination.comm import Comm
+from ..coordination.exchange import read_shared
 from ..errors import ManifestError, SerializationError, TrainingStateError
 from ..manifest import Manifest, Reference, ShardReceipt
 from ..reader import Reader
@@ -77,6 +79,10 @@ __all__ = [
     "stage",
     "write",
 ]
+
+#: ``stage(replicated_read=)``: each replicated shard downloaded by one rank and shared, or by all
+READ_ONCE, READ_EVERY = "once", "every"
+REPLICATED_READS = (READ_ONCE, READ_EVERY)
 
 STATE_LAYOUT = "objckpt.training/1"
 REPLICATED_SHARD = "replicated.bin"
@@ -214,7 +220,8 @@ def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = N
         source: Iterable[memoryview] = encoded.buffers()
         if abandon is not None:
             source = _abortable(source, abandon)
-        receipt = writer.write(name, source, progress=progress)
+        # a chunked shard's layout follows the writer's part size: only a plain one tells its size
+        receipt = writer.write(name, source, progress=progress, size=None if chunked else encoded.size)
         written += receipt.size
         if chunked:
             used |= encoded.used
@@ -278,15 +285,21 @@ def stage(
     rank: int,
     world_size: int,
     strict: bool = True,
+    comm: Comm | None = None,
+    replicated_read: str = READ_ONCE,
 ) -> Staged:
     """Download, verify, decode and check this rank's part of ``manifest``; modifies nothing.
 
     At the saved world size every rank reads its own ``rank.bin``. At another world size the
     per-rank state follows the elastic rule of this module's docstring: a rank reads its own
     ``rank.bin`` if it existed (rank 0's if not), or every rank's when ``state`` holds an object
-    that re-partitions itself. Every rank reads every ``replicated.bin`` it needs, at any world
-    size. A checkpoint written through DCP (:mod:`.dcp`) is loaded through DCP's resharding
-    (modules only, see :mod:`.dcp_bridge`).
+    that re-partitions itself. Every rank needs every ``replicated.bin``, at any world size:
+    with ``replicated_read="once"`` (and a ``comm`` of more than one rank) each is downloaded by
+    one rank and shared over ``comm`` (:func:`objckpt.coordination.exchange.read_shared`: ~1/W
+    of the replicated bytes per rank, CRC32C checked on every receiving rank; then this call is
+    a collective: every rank of ``comm`` must make it); ``"every"``: every rank downloads all
+    of them itself. A checkpoint written through DCP (:mod:`.dcp`) is loaded through DCP's
+    resharding (modules only, see :mod:`.dcp_bridge`), each rank reading what it needs.
 
     ``strict=False``: see :func:`.state.check_restorable`; what was not loaded is in the
     returned ``report``.
@@ -314,27 +327,46 @@ def stage(
             f"checkpoint step {manifest.step} was not written by CheckpointManager (layout "
             f"{topo.get('layout')!r}); use the API that wrote it"
         )
+    if replicated_read not in REPLICATED_READS:
+        raise ValueError(f"replicated_read must be one of {REPLICATED_READS}, got {replicated_read!r}")
     saved_world = manifest.world_size
     elastic = saved_world != world_size
     rep_names = list(topo.get("replicated", []))
     wanted_rep = [n for n in state if n in rep_names]
     local_names = [n for n in state if n not in rep_names]
     reshardable = [n for n in local_names if callable(getattr(state[n], "reshard_state", None))]
-    if elastic:
-        _refuse_positions(state, local_names, reshardable, manifest.step, saved_world, world_size, rank)
+    rep_receipts = [s for s in manifest.shards if s.name == REPLICATED_SHARD] if wanted_rep else []
+    exchange = comm is not None and comm.world_size > 1 and replicated_read == READ_ONCE
     mine = rank if rank < saved_world else 0
     ranks = list(range(saved_world)) if elastic and reshardable else [mine]
+    rank_receipts: list[ShardReceipt] = []
+    failed: Exception | None = None
     try:
-        rank_receipts = [manifest.shard(r, RANK_SHARD) for r in ranks]
-    except KeyError as exc:
-        raise ManifestError(str(exc), key=manifest.key) from exc
-    rep_receipts = [s for s in manifest.shards if s.name == REPLICATED_SHARD] if wanted_rep else []
+        if elastic:
+            _refuse_positions(state, local_names, reshardable, manifest.step, saved_world, world_size, rank)
+        try:
+            rank_receipts = [manifest.shard(r, RANK_SHARD) for r in ranks]
+        except KeyError as exc:
+            raise ManifestError(str(exc), key=manifest.key) from exc
+    except Exception as exc:  # noqa: BLE001 - raised below, after the collective when there is one
+        failed = exc
+    shared: dict[str, bytes] = {}
+    if exchange:
+        assert comm is not None
+        # every rank takes part, even one that failed above (so none is left waiting)
+        shared = read_shared(comm, reader, rep_receipts, f"restore(step={manifest.step})", error=failed)
+    elif failed is not None:
+        raise failed
     receipts = [*rank_receipts, *rep_receipts]
 
     resolver = dedup.resolver_for(reader.store, manifest) if manifest.references else None
 
     def read(receipt: ShardReceipt) -> Any:
+        body = shared.pop(receipt.key, None)  # verified already (exchange); freed once decoded
+
         def read_range(start: int, end: int) -> bytes:
+            if body is not None:
+                return body[start:end]
             return reader.store.get(receipt.key, byte_range=(start, end))
 
         def keep(header: dict[str, Any]) -> None:  # the next save indexes it without a request
@@ -342,7 +374,7 @@ def stage(
 
         try:
             return serialization.decode_stream(
-                reader.open_shard(receipt),
+                [body] if body is not None else reader.open_shard(receipt),
                 total_size=receipt.size,
                 read_range=read_range,
                 resolver=resolver,

@@ -29,9 +29,15 @@ def shard_bytes(step: int, rank: int, name: str = "model.pt") -> bytes:
 
 
 def write_rank(
-    store: Store, step: int, attempt: str, rank: int, names: Iterable[str] = ("model.pt",)
+    store: Store,
+    step: int,
+    attempt: str,
+    rank: int,
+    names: Iterable[str] = ("model.pt",),
+    *,
+    key_spreading: bool = True,
 ) -> list[ShardReceipt]:
-    w = ShardWriter(store, step=step, attempt=attempt, rank=rank)
+    w = ShardWriter(store, step=step, attempt=attempt, rank=rank, key_spreading=key_spreading)
     for name in names:
         w.write(name, shard_bytes(step, rank, name))
     return w.receipts
@@ -119,3 +125,17 @@ def race_two_attempts(store: Store, step: int) -> list[object]:
     for t in threads:
         t.join()
     return outcomes
+
+
+def keys_of_attempt(store: Store, step: int, attempt: str) -> list[str]:
+    """Every key under ``data/`` that belongs to ``attempt`` of ``step``, in either layout."""
+    return sorted(
+        m.key
+        for m in store.list(layout.DATA_PREFIX)
+        if (layout.parse_shard_key(m.key) or ())[:2] == (step, attempt)
+    )
+
+
+def attempts_in_data(store: Store) -> set[tuple[int, str]]:
+    """``(step, attempt)`` of every shard key under ``data/`` (either layout)."""
+    return {p[:2] for m in store.list(layout.DATA_PREFIX) if (p := layout.parse_shard_key(m.key)) is not None}

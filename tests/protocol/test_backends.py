@@ -19,7 +19,7 @@ from objckpt.writer import ShardWriter
 from tests.backends import GAP_CONDITIONAL_COMPLETE
 from tests.conftest import expect_gap
 
-from .helpers import race_two_attempts, save, write_rank
+from .helpers import attempts_in_data, race_two_attempts, save, write_rank
 
 WORLD = 2
 # S3's minimum part size (and a multiple of GCS's 256 KiB resumable chunk), so one part size
@@ -132,7 +132,5 @@ def test_gc_collects_old_steps_orphans_and_stale_uploads(store, backend):
     run_gc(store, plan)
     reader = Reader(store)
     assert reader.steps() == [30] and reader.check(reader.load(30)) == []
-    assert {k.key.split("/")[1] for k in store.list("data/")} == {
-        reader.load(30).attempt_prefix.split("/")[1]
-    }
+    assert attempts_in_data(store) == {(30, reader.load(30).attempt)}
     assert store.list_uploads() == []

@@ -89,11 +89,12 @@ def test_commit_checks_receipts_against_the_store(lie):
     assert manifests_in(store) == []
 
 
-def test_zombie_extra_key_in_the_attempt_prefix_refuses_the_commit():
+@pytest.mark.parametrize("spread", [True, False], ids=["spread-keys", "old-layout"])
+def test_zombie_extra_key_in_the_attempt_prefix_refuses_the_commit(spread):
     store = memory_store()
     attempt = layout.new_attempt_id()
-    receipts = {r: write_rank(store, 5, attempt, r) for r in range(2)}
-    stray = layout.shard_key(5, attempt, 0, "late-zombie-write.pt")
+    receipts = {r: write_rank(store, 5, attempt, r, key_spreading=spread) for r in range(2)}
+    stray = layout.shard_key(5, attempt, 0, "late-zombie-write.pt", spread=spread)
     store.put(stray, b"zombie", mode=PutMode.CREATE)
     with pytest.raises(CommitError) as ei:
         Coordinator(store, world_size=2).commit(5, attempt, receipts)
@@ -101,19 +102,24 @@ def test_zombie_extra_key_in_the_attempt_prefix_refuses_the_commit():
     assert manifests_in(store) == []
 
 
-def test_store_check_costs_one_list_per_1000_shards_and_no_heads():
+@pytest.mark.parametrize("spread", [True, False], ids=["spread-keys", "old-layout"])
+def test_store_check_costs_one_list_per_1000_shards_and_no_heads(spread):
     inner = memory_store()
     attempt = layout.new_attempt_id()
     receipts = {}
     for rank in range(5):  # 2,500 shards, written directly for speed
-        w = ShardWriter(inner, step=5, attempt=attempt, rank=rank)
+        w = ShardWriter(inner, step=5, attempt=attempt, rank=rank, key_spreading=spread)
         for i in range(500):
             w.write(f"s{i}", b"")
         receipts[rank] = w.receipts
     store = CountingStore(inner)
     Coordinator(store, world_size=5).commit(5, attempt, receipts)
     data_lists = [k for op, k in store.calls if op == "list_page" and k.startswith("data/")]
-    assert data_lists == [layout.attempt_prefix(5, attempt)] * 3
+    if spread:  # one LIST per spread prefix used (500 shards each: one page), nothing else
+        used = sorted({layout.attempt_prefix(5, attempt, layout.spread_of(5, attempt, r)) for r in range(5)})
+        assert sorted(data_lists) == used
+    else:
+        assert data_lists == [layout.attempt_prefix(5, attempt)] * 3
     assert store.counts["head"] == 1  # the pointer's, never a shard's
 
 

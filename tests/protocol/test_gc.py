@@ -15,7 +15,7 @@ from objckpt.reader import Reader
 from objckpt.store.base import PutMode
 from objckpt.store.wrappers import CountingStore, Fault, FaultInjectingStore
 
-from .helpers import memory_store, save, set_pointer, write_rank
+from .helpers import attempts_in_data, keys_of_attempt, memory_store, save, set_pointer, write_rank
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 GRACE = timedelta(hours=6)
@@ -113,24 +113,26 @@ def test_gc_keeps_the_parent_until_the_newest_verifies():
     assert Reader(store).latest_valid().step == 20
 
 
-def test_gc_keeps_the_save_in_progress_and_removes_orphans_only_after_the_grace_period(clock):
+@pytest.mark.parametrize("spread", [True, False], ids=["spread-keys", "old-layout"])
+def test_gc_keeps_the_save_in_progress_and_removes_orphans_only_after_the_grace_period(clock, spread):
     store = memory_store()
     save(store, 10)
     orphan = layout.new_attempt_id()  # a crashed save: shards, no manifest
-    write_rank(store, 20, orphan, 0)
+    write_rank(store, 20, orphan, 0, key_spreading=spread)
     clock.advance(GRACE - timedelta(minutes=1))
     in_progress = layout.new_attempt_id()
-    write_rank(store, 30, in_progress, 0)
+    write_rank(store, 30, in_progress, 0, key_spreading=spread)
 
     plan = collect(store, RetentionPolicy(), now=clock.now)  # orphan is still younger than grace
     assert plan.orphans == []
-    assert list(store.list(layout.attempt_prefix(20, orphan)))
+    assert keys_of_attempt(store, 20, orphan)
 
     now = clock.advance(timedelta(minutes=2))
     plan = collect(store, RetentionPolicy(), now=now)
-    assert [o.prefix for o in plan.orphans] == [layout.attempt_prefix(20, orphan)]
-    assert list(store.list(layout.attempt_prefix(20, orphan))) == []
-    assert list(store.list(layout.attempt_prefix(30, in_progress)))  # the save in progress
+    spread_digits = layout.spread_of(20, orphan, 0) if spread else None
+    assert [o.prefix for o in plan.orphans] == [layout.attempt_prefix(20, orphan, spread_digits)]
+    assert keys_of_attempt(store, 20, orphan) == []
+    assert keys_of_attempt(store, 30, in_progress)  # the save in progress
     assert committed_steps(store) == [10]
     assert_no_manifest_points_at_missing_data(store)
 
@@ -168,9 +170,7 @@ def test_a_crash_during_gc_leaves_no_manifest_pointing_at_missing_data(crash_on,
     # a later run, past the grace period, finishes the job
     collect(inner, RetentionPolicy(keep_last=1), now=clock.advance(GRACE + timedelta(seconds=1)))
     assert committed_steps(inner) == [30]
-    assert {k.key.split("/")[1] for k in inner.list("data/")} == {
-        Reader(inner).load(30).attempt_prefix.split("/")[1]
-    }
+    assert attempts_in_data(inner) == {(30, Reader(inner).load(30).attempt)}
 
 
 def test_dry_run_plans_without_changing_anything():
@@ -189,7 +189,11 @@ def test_an_orphan_committed_after_planning_is_not_deleted(clock):
     attempt = layout.new_attempt_id()
     receipts = {r: write_rank(store, 10, attempt, r) for r in range(2)}
     plan = plan_gc(store, RetentionPolicy(), grace_period=GRACE, now=clock.advance(GRACE * 2))
-    assert [o.attempt for o in plan.orphans] == [attempt]
+    # one orphan prefix per spread prefix the attempt's ranks wrote under
+    assert {o.attempt for o in plan.orphans} == {attempt}
+    assert sorted(o.prefix for o in plan.orphans) == sorted(
+        {layout.attempt_prefix(10, attempt, layout.spread_of(10, attempt, r)) for r in range(2)}
+    )
     Coordinator(store, world_size=2).commit(10, attempt, receipts)  # a slow save commits now
     result = run_gc(store, plan)
     assert result.skipped and result.deleted_objects == 0

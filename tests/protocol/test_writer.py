@@ -28,9 +28,36 @@ ATTEMPT = "00112233aabbccdd"
 def test_shard_is_written_under_its_own_rank_prefix_of_its_attempt():
     store = memory_store()
     r = ShardWriter(store, step=STEP, attempt=ATTEMPT, rank=3).write("opt/state.pt", b"abc")
-    assert r.key == f"data/{STEP:020d}-{ATTEMPT}/00003/opt/state.pt"
-    assert r.key.startswith(layout.rank_prefix(STEP, ATTEMPT, 3))
+    spread = layout.spread_of(STEP, ATTEMPT, 3)
+    assert r.key == f"data/{spread}/{STEP:020d}-{ATTEMPT}/00003/opt/state.pt"
+    assert r.key.startswith(layout.rank_prefix(STEP, ATTEMPT, 3, spread=True))
+    assert layout.parse_shard_key(r.key) == (STEP, ATTEMPT, 3, "opt/state.pt")
     assert store.get(r.key) == b"abc"
+
+
+def test_key_spreading_off_writes_the_old_layout():
+    store = memory_store()
+    w = ShardWriter(store, step=STEP, attempt=ATTEMPT, rank=3, key_spreading=False)
+    r = w.write("opt/state.pt", b"abc")
+    assert r.key == f"data/{STEP:020d}-{ATTEMPT}/00003/opt/state.pt"
+    assert layout.parse_shard_key(r.key) == (STEP, ATTEMPT, 3, "opt/state.pt")
+
+
+def test_a_spread_key_with_the_wrong_spreading_digits_is_not_a_shard_key():
+    good = layout.shard_key(STEP, ATTEMPT, 3, "x", spread=True)
+    digits = good.split("/")[1]
+    wrong = "00" if digits != "00" else "01"
+    assert layout.parse_shard_key(good.replace(f"/{digits}/", f"/{wrong}/", 1)) is None
+    assert layout.attempt_prefix_of(good) == layout.attempt_prefix(STEP, ATTEMPT, digits)
+
+
+def test_one_save_spreads_over_many_prefixes_and_each_rank_stays_in_one():
+    attempt = layout.new_attempt_id()
+    prefixes = {layout.rank_prefix(STEP, attempt, r, spread=True).split("/")[1] for r in range(4096)}
+    assert len(prefixes) == 256  # every spreading prefix is used at 4,096 ranks
+    for r in range(8):
+        keys = {layout.shard_key(STEP, attempt, r, f"s{i}", spread=True).split("/")[1] for i in range(8)}
+        assert keys == {layout.spread_of(STEP, attempt, r)}
 
 
 @pytest.mark.parametrize("part_size", [None, 4], ids=["single-put", "multipart"])

@@ -149,7 +149,7 @@ def test_layout_manifest_and_metadata_are_json() -> None:
     assert m.metadata["dcp"]["metadata_shard"] == {"rank": 0, "name": METADATA_SHARD}
     # Every shard lies under this attempt's prefix; the metadata is plain JSON, never a pickle.
     assert {s.name for s in m.shards} == {"dcp-00000.bin", METADATA_SHARD}
-    assert all(s.key.startswith(m.attempt_prefix) for s in m.shards)
+    assert all(layout.parse_shard_key(s.key)[:2] == (m.step, m.attempt) for s in m.shards)
     raw = Reader(store).read_shard(m.shard(0, METADATA_SHARD))
     assert raw.startswith(b"{")
 

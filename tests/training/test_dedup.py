@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from objckpt import layout
 from objckpt._crc import crc32c_of
 from objckpt.commit import Coordinator
 from objckpt.coordination import lineage
@@ -240,7 +241,11 @@ def test_a_forged_reference_is_refused_at_commit(monkeypatch: pytest.MonkeyPatch
     forged = [
         Reference(good.key, good.size, good.version, "AAAAAA==", *good.identity),  # wrong CRC32C
         Reference(  # an object no ancestor committed, at a shard-shaped key
-            good.key.replace(first.attempt, "f" * 16), good.size, good.version, good.crc32c, *good.identity
+            layout.shard_key(1, "f" * 16, 0, "replicated.bin", spread=True),
+            good.size,
+            good.version,
+            good.crc32c,
+            *good.identity,
         ),
     ]
     for ref in forged:

@@ -199,7 +199,10 @@ class ObjckptStorageReader(StorageReader):
                 key = shard_key(manifest.step, manifest.attempt, rank, name)
             except (ValueError, TypeError) as exc:
                 raise ManifestError(f"step {manifest.step}: bad shard name {name!r}: {exc}") from None
-            receipt = by_key.get(key)
+            # either layout: the manifest's keys may carry the spreading prefix (layout.py)
+            receipt = by_key.get(key) or by_key.get(
+                shard_key(manifest.step, manifest.attempt, rank, name, spread=True)
+            )
             if receipt is None:  # only keys the (validated) manifest lists are ever read
                 raise ManifestError(
                     f"step {manifest.step}: DCP data names shard {key!r}, not in the manifest"

@@ -1,0 +1,138 @@
+"""Shards every rank needs, read from the store once per job and shared over the process group
+(invariant 16: "restoring replicated state reads each unique byte from the store about once per
+job, not once per rank").
+
+:func:`read_shared` is a collective: every rank calls it with the same receipts (they come from
+the manifest every rank received from rank 0), and every rank returns the verified bytes of all
+of them. Who reads what is decided by :func:`assign` from the receipts alone (size-balanced
+round robin: largest shard first, each to the rank with the fewest bytes so far, ties to the
+lowest rank), so every rank computes the same plan without a message. Then:
+
+1. each rank downloads its shards, size and CRC32C verified while streaming
+   (:meth:`~objckpt.reader.Reader.read_shard`);
+2. one :func:`~objckpt.coordination.comm.agree` on how the reads went. The one damage rule
+   (:func:`objckpt.errors.is_damage`) classifies a failed read: damage (a missing or corrupt
+   shard) becomes the same damage error on every rank, so the restore session falls back on every
+   rank together; anything else (an outage past the retry budget, a permission or configuration
+   error) is raised on every rank and is never a fallback;
+3. each shard is broadcast from its reader (:meth:`Comm.broadcast_bytes` with ``src``: one
+   tensor broadcast per shard over gloo), and every receiving rank checks its size and CRC32C
+   against the receipt before anything uses it. Bytes that arrive different from what the
+   manifest says are a :class:`DistributedError` (the transport, not the checkpoint, is at
+   fault: no fallback), raised after the last broadcast so no rank leaves a collective behind.
+
+Torch-free: it moves bytes; decoding is the caller's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+from .._crc import crc32c_b64
+from ..errors import DistributedError, decode_error, encode_error, is_damage, with_rank
+from ..manifest import ShardReceipt
+from ..reader import Reader
+from .comm import Comm, agree
+
+__all__ = ["assign", "read_shared"]
+
+
+def assign(receipts: Sequence[ShardReceipt], world_size: int) -> dict[str, int]:
+    """``key -> rank`` that reads it: largest shard first, each to the rank holding the fewest
+    bytes so far (ties: the lowest rank). Deterministic in ``receipts`` and ``world_size``; each
+    rank gets about ``1/world_size`` of the bytes (within one shard's size)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    loads = [(0, rank) for rank in range(world_size)]  # already a heap
+    owners: dict[str, int] = {}
+    for r in sorted(receipts, key=lambda r: (-r.size, r.key)):
+        if r.key in owners:
+            continue
+        load, rank = heapq.heappop(loads)
+        owners[r.key] = rank
+        heapq.heappush(loads, (load + r.size, rank))
+    return owners
+
+
+def read_shared(
+    comm: Comm,
+    reader: Reader,
+    receipts: Sequence[ShardReceipt],
+    what: str,
+    *,
+    error: BaseException | None = None,
+) -> dict[str, bytes]:
+    """Every rank gets the verified bytes of every shard in ``receipts``; each shard is downloaded
+    by one rank only. A collective: every rank calls it with the same receipts, in any order
+    (ranks that name different sets raise :class:`DistributedError`, all of them).
+
+    ``error``: this rank failed before it could take part (e.g. its own shard is not in the
+    manifest); it still calls, so no rank is left waiting, and every rank raises that error
+    (damage stays damage).
+
+    Raises (the same on every rank, except the transport check):
+        IntegrityError / NotFoundError (damage, prefixed with the reading rank): a shard is
+            missing or its bytes differ from the receipt on the rank that read it.
+        StoreError (not damage), any other error of a read: raised on every rank, prefixed with
+            the reading rank.
+        DistributedError: a rank did not take part in time; or (on the receiving rank only,
+            after every broadcast) bytes received differ from the receipt's size or CRC32C.
+    """
+    unique = {r.key: r for r in receipts}
+    ordered = sorted(unique.values(), key=lambda r: r.key)
+    owners = assign(ordered, comm.world_size)
+    got: dict[str, bytes] = {}
+    verdict: dict[str, Any] = {"plan": _digest(ordered)}
+    for r in ordered:
+        if error is not None:
+            break
+        if owners[r.key] != comm.rank:
+            continue
+        try:
+            got[r.key] = reader.read_shard(r)
+        except Exception as exc:  # noqa: BLE001 - classified by the one damage rule, agreed below
+            error = exc
+    if error is not None:
+        verdict["damaged" if is_damage(error) else "fatal"] = encode_error(error)
+    agree(comm, verdict, _decide_reads, f"{what}: reading the shared shards")
+    corrupt: list[str] = []
+    for r in ordered:
+        src = owners[r.key]
+        data = comm.broadcast_bytes(got.get(r.key) if src == comm.rank else None, f"{what}: {r.key}", src=src)
+        if src != comm.rank and (len(data) != r.size or crc32c_b64(data) != r.crc32c):
+            corrupt.append(f"{r.key} from rank {src}: {len(data)} bytes, CRC32C {crc32c_b64(data)}")
+            continue
+        got[r.key] = data
+    if corrupt:
+        raise DistributedError(
+            f"{what}: rank {comm.rank} received shard bytes that differ from the manifest's receipts "
+            f"(the process group corrupted them; the stored checkpoint is not at fault): {'; '.join(corrupt)}"
+        )
+    return got
+
+
+def _digest(receipts: Sequence[ShardReceipt]) -> str:
+    h = hashlib.sha256()
+    for r in receipts:
+        h.update(f"{r.key}\0{r.size}\0{r.crc32c}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def _decide_reads(verdicts: list[dict[str, Any]]) -> bool:
+    """Rank 0: any non-damage error outranks damage (it must never turn into a fallback); the
+    first failing rank's error is raised on every rank; then every rank must have planned the
+    same shards (else the broadcasts that follow would not pair up)."""
+    for kind in ("fatal", "damaged"):
+        for rank, v in enumerate(verdicts):
+            if kind in v:
+                raise with_rank(decode_error(v[kind]), rank)
+    differ = [rank for rank, v in enumerate(verdicts) if v.get("plan") != verdicts[0].get("plan")]
+    if differ:
+        raise DistributedError(
+            f"ranks {differ} asked for other shared shards than rank 0 (every rank must restore the "
+            "same replicated entries)"
+        )
+    return True

@@ -1,0 +1,198 @@
+"""Shards every rank needs are read from the store once per job and shared over the comm
+(invariant 16; ``objckpt.coordination.exchange``), on a ThreadWorld of 4 ranks.
+
+Counts, never timings: how often each shard is opened, by which rank, and what every rank ends up
+holding; errors follow the one damage rule on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from objckpt import layout
+from objckpt.coordination import ThreadWorld
+from objckpt.coordination.comm import Comm
+from objckpt.coordination.exchange import assign, read_shared
+from objckpt.coordination.restore import RestoreSession
+from objckpt.errors import (
+    ChecksumMismatchError,
+    DistributedError,
+    NotFoundError,
+    PermissionDeniedError,
+    is_damage,
+)
+from objckpt.manifest import Manifest, ShardReceipt
+from objckpt.reader import Reader
+from objckpt.store.wrappers import CountingStore, Fault, FaultInjectingStore
+from tests.protocol.helpers import memory_store, save
+
+WORLD = 4
+
+
+def _write_shared(store: Any, sizes: list[int]) -> list[ShardReceipt]:
+    from objckpt.writer import ShardWriter
+
+    attempt = layout.new_attempt_id()
+    out = []
+    for rank, size in enumerate(sizes):
+        w = ShardWriter(store, step=5, attempt=attempt, rank=rank)
+        out.append(w.write("replicated.bin", bytes([rank % 251 + 1]) * size))
+    return out
+
+
+def _run(world_size: int, fn: Any) -> list[Any]:
+    return ThreadWorld(world_size, timeout=30).run(fn)
+
+
+def test_assignment_balances_bytes_and_is_the_same_for_every_caller():
+    receipts = [
+        ShardReceipt(key=f"data/k{i:03d}", size=size, version="v", crc32c="AAAAAA==", rank=i, name="x")
+        for i, size in enumerate([900, 10, 500, 500, 400, 300, 300, 100, 50, 40])
+    ]
+    owners = assign(receipts, WORLD)
+    assert owners == assign(list(reversed(receipts)), WORLD)  # order of the list does not matter
+    assert set(owners) == {r.key for r in receipts}
+    loads = [sum(r.size for r in receipts if owners[r.key] == rank) for rank in range(WORLD)]
+    assert max(loads) - min(loads) <= max(r.size for r in receipts)
+    assert sorted(loads) == [700, 700, 800, 900]  # largest first, each to the least-loaded rank
+
+
+def test_every_rank_gets_every_shard_and_each_is_downloaded_once():
+    inner = memory_store()
+    receipts = _write_shared(inner, [4000, 3000, 2500, 1000, 900, 800, 700, 100])
+    stores = [CountingStore(inner) for _ in range(WORLD)]
+
+    def rank(comm: Comm) -> dict[str, bytes]:
+        return read_shared(comm, Reader(stores[comm.rank]), receipts, "test")
+
+    results = _run(WORLD, rank)
+    expected = {r.key: inner.get(r.key) for r in receipts}
+    assert all(got == expected for got in results)
+    opened = [[k for op, k in s.calls if op == "open"] for s in stores]
+    # each shard opened by exactly one rank, once
+    assert sorted(k for per_rank in opened for k in per_rank) == sorted(expected)
+    per_rank_bytes = [sum(len(expected[k]) for k in keys) for keys in opened]
+    total = sum(per_rank_bytes)
+    assert total == sum(r.size for r in receipts)  # the job reads each unique byte once
+    assert max(per_rank_bytes) <= total / WORLD + max(r.size for r in receipts)
+    assert all(s.counts["list_page"] == 0 for s in stores)
+
+
+def test_a_damaged_shard_is_the_same_damage_on_every_rank():
+    inner = memory_store()
+    receipts = _write_shared(inner, [1000, 900, 800, 700])
+    inner.delete([receipts[2].key])
+    owner = assign(receipts, WORLD)[receipts[2].key]
+
+    results = _run(WORLD, lambda comm: read_shared(comm, Reader(inner), receipts, "test"))
+    assert all(isinstance(r, NotFoundError) and is_damage(r) for r in results), results
+    assert all(str(r).startswith(f"rank {owner}:") for r in results)
+
+
+def test_corrupt_bytes_in_the_store_are_damage_on_every_rank():
+    inner = memory_store()
+    receipts = _write_shared(inner, [1000, 900])
+    bad = receipts[0]
+    inner.delete([bad.key])
+    inner.put(bad.key, b"\x00" * bad.size)  # same size, other bytes
+    results = _run(WORLD, lambda comm: read_shared(comm, Reader(inner), receipts, "test"))
+    assert all(isinstance(r, ChecksumMismatchError) for r in results), results
+
+
+def test_a_permission_error_is_raised_on_every_rank_never_damage():
+    inner = memory_store()
+    receipts = _write_shared(inner, [1000, 900, 800, 700])
+    store = FaultInjectingStore(
+        inner, [Fault(op="open", key=receipts[1].key, error=PermissionDeniedError, times=None)]
+    )
+    results = _run(WORLD, lambda comm: read_shared(comm, Reader(store), receipts, "test"))
+    assert all(isinstance(r, PermissionDeniedError) and not is_damage(r) for r in results), results
+
+
+def test_a_rank_that_failed_before_still_takes_part_and_every_rank_raises_its_error():
+    inner = memory_store()
+    receipts = _write_shared(inner, [1000, 900])
+
+    def rank(comm: Comm) -> Any:
+        failed = NotFoundError("my own shard is not in the manifest") if comm.rank == 3 else None
+        return read_shared(comm, Reader(inner), receipts, "test", error=failed)
+
+    results = _run(WORLD, rank)
+    assert all(isinstance(r, NotFoundError) and "rank 3:" in str(r) for r in results), results
+
+
+def test_ranks_asking_for_different_shards_raise_instead_of_hanging():
+    inner = memory_store()
+    receipts = _write_shared(inner, [1000, 900])
+
+    def rank(comm: Comm) -> Any:
+        mine = receipts if comm.rank != 1 else receipts[:1]
+        return read_shared(comm, Reader(inner), mine, "test")
+
+    results = _run(WORLD, rank)
+    assert all(isinstance(r, DistributedError) and "ranks [1]" in str(r) for r in results), results
+
+
+class _Flipping(Comm):
+    """A comm whose byte path corrupts what one rank receives (a broken transport)."""
+
+    def __init__(self, inner: Comm, victim: int) -> None:
+        self.inner, self.rank, self.world_size, self.victim = inner, inner.rank, inner.world_size, victim
+
+    def gather(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
+        return self.inner.gather(obj, what, handshake=handshake)
+
+    def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
+        return self.inner.broadcast(obj, what, handshake=handshake)
+
+    def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
+        got = self.inner.broadcast_bytes(data, what, src=src)
+        if self.rank == self.victim and src != self.rank and got:
+            return bytes([got[0] ^ 1]) + got[1:]
+        return got
+
+
+def test_bytes_corrupted_in_transit_are_caught_by_the_receiver_and_are_not_damage():
+    inner = memory_store()
+    receipts = _write_shared(inner, [1000, 900, 800, 700])
+
+    def rank(comm: Comm) -> Any:
+        return read_shared(_Flipping(comm, victim=2), Reader(inner), receipts, "test")
+
+    results = _run(WORLD, rank)
+    assert isinstance(results[2], DistributedError) and not is_damage(results[2])
+    assert "rank 2 received" in str(results[2])
+    assert all(isinstance(r, dict) and len(r) == 4 for i, r in enumerate(results) if i != 2)
+
+
+def test_restore_falls_back_on_every_rank_when_a_shared_shard_is_damaged():
+    """Through the restore session: the damage verdict of the reading rank becomes a fallback to
+    the parent on all ranks together."""
+    store = memory_store()
+    parent = save(store, 10, world_size=WORLD)
+    newest = save(store, 20, world_size=WORLD)
+    store.delete([newest.shards[3].key])
+
+    def rank(comm: Comm) -> Any:
+        session = RestoreSession(store, comm)
+
+        def stage(m: Manifest) -> int:
+            got = read_shared(comm, session.reader, list(m.shards), f"restore(step={m.step})")
+            return len(got)
+
+        restored = session.restore(stage)
+        assert restored is not None
+        return restored.step, restored.value, [s for s, _ in restored.fallbacks]
+
+    results = _run(WORLD, rank)
+    assert results == [(parent.step, WORLD, [newest.step])] * WORLD
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_one_rank_or_more_ranks_than_shards(world: int):
+    inner = memory_store()
+    receipts = _write_shared(inner, [1000, 900])
+    results = _run(world, lambda comm: read_shared(comm, Reader(inner), receipts, "test"))
+    assert all(r == {x.key: inner.get(x.key) for x in receipts} for r in results)
