@@ -36,6 +36,7 @@ from ...store.base import Store
 from ...writer import ShardWriter
 from . import clock
 from .fixes import Switches
+from .world import shard_payloads
 
 if TYPE_CHECKING:
     from ...coordination.save import SaveSession, SaveTicket
@@ -65,6 +66,24 @@ class _Written:
 
     def __init__(self, writer: ShardWriter) -> None:
         self.writer = writer
+
+
+class _Announcing:
+    """The ``Reader`` given to ``read_shared``: reads through the real reader, then tells the
+    simulated world which bytes this rank will broadcast (:meth:`SimWorld.announce`)."""
+
+    def __init__(self, reader: Reader, comm: SimComm) -> None:
+        self.reader = reader
+        self.comm = comm
+
+    def read_shard(self, receipt: ShardReceipt) -> bytes:
+        data = self.reader.read_shard(receipt)
+        tl = clock.current()
+        self.comm.world.announce(self.comm.rank, receipt.key, data, tl.now if tl is not None else 0.0)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.reader, name)
 
 
 class _Stopped(Exception):
@@ -248,7 +267,9 @@ class Adapter:
         with self.io.lock:
             self.io.planned_bytes[rank] = sum(r.size for r in own) + mine
             self.io.planned_reads[rank] = len(own) + sum(1 for r in replicated if owners[r.key] == rank)
-        shared = read_shared(comm, reader, replicated, f"restore(step={manifest.step})")
+        announcing = cast(Reader, _Announcing(reader, comm))
+        with shard_payloads():
+            shared = read_shared(comm, announcing, replicated, f"restore(step={manifest.step})")
         received = sum(len(b) for key, b in shared.items() if owners[key] != rank)
         del shared
         done = self._read_each(reader, iter(own))

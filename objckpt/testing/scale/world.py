@@ -41,9 +41,22 @@ from ...errors import DistributedError
 from . import clock
 from .model import NetworkModel
 
-__all__ = ["SimComm", "SimWorld"]
+__all__ = ["SimComm", "SimWorld", "shard_payloads"]
 
 T = TypeVar("T")
+_payloads = threading.local()
+
+
+@contextlib.contextmanager
+def shard_payloads() -> Iterator[None]:
+    """Byte broadcasts of the calling thread inside the block carry shard bytes, which stand for
+    ``byte_scale`` times as many (a manifest's bytes are its real size)."""
+    previous = getattr(_payloads, "on", False)
+    _payloads.on = True
+    try:
+        yield
+    finally:
+        _payloads.on = previous
 
 
 class SimWorld:
@@ -79,6 +92,7 @@ class SimWorld:
         self.timelines = [clock.Timeline(start, rank, rank // per_host) for rank in range(world_size)]
         self._pending: dict[int, Any] = {}
         self._slots: dict[int, _Slot] = {}
+        self._announced: dict[tuple[int, str], _Slot] = {}
         self._broken: str | None = None
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -175,9 +189,26 @@ class SimWorld:
         for slot in slots:
             slot.ready.set()
 
-    def _share(self, seq: int, src: int, rank: int, data: bytes | None, t: float, what: str) -> _Slot:
+    def announce(self, rank: int, key: str, data: bytes, t: float) -> None:
+        """``rank`` holds ``key``'s verified bytes since virtual time ``t`` (it read them to
+        broadcast them later, :func:`~objckpt.coordination.exchange.read_shared`)."""
+        slot = _Slot()
+        slot.data, slot.t, slot.sent = data, t, True
+        with self._lock:
+            self._announced[(rank, key)] = slot
+
+    def _share(
+        self, seq: int, src: int, rank: int, data: bytes | None, t: float, what: str, key: str | None
+    ) -> _Slot:
         """The ``seq``-th byte broadcast of every thread: ``src``'s thread publishes, the others
-        wait for it (not for each other: a broadcast needs only its source)."""
+        wait for it (not for each other: a broadcast needs only its source). A receiver that
+        arrives before the source but knows the bytes' ``key`` takes what the source announced
+        (:meth:`announce`) instead of waiting: the same bytes, without the ranks handing the
+        baton back and forth once per broadcast (W^2 hand-overs for W ranks' W broadcasts)."""
+        if key is not None and rank != src:
+            early = self._announced.get((src, key))  # a dict read: atomic under the GIL
+            if early is not None:
+                return early
         with self._lock:
             slot = self._slots.get(seq)
             if slot is None:
@@ -280,10 +311,15 @@ class SimComm(Comm):
             )
         seq = self._seq
         self._seq += 1
-        slot = self.world._share(seq, src, self.rank, data, self._arrived(), what)
+        shards = getattr(_payloads, "on", False)
+        # read_shared names each broadcast "<what>: <key>"
+        key = what.rsplit(": ", 1)[-1] if shards and ": " in what else None
+        slot = self.world._share(seq, src, self.rank, data, self._arrived(), what, key)
         if slot.data is None:
             raise DistributedError(f"{what}: rank {src} sent no bytes")
-        t = slot.t + self.world.network.collective_s(self.world_size, len(slot.data))
+        net = self.world.network
+        n = len(slot.data) * (net.byte_scale if shards else 1)
+        t = slot.t + net.collective_s(self.world_size, round(n))
         for tl in self._hosted:
             tl.advance_to(t)
         return slot.data
