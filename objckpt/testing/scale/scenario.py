@@ -36,6 +36,7 @@ import gc
 import math
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -435,8 +436,29 @@ def _restore(
     return _summarise("restore", None, results, rec, io, store, world, start, wall), world.now
 
 
-def run_scenario(options: ScaleOptions, *, log: Any = None) -> ScenarioResult:
-    """Run the saves, the restore and the manifest measurement of ``options``."""
+@contextlib.contextmanager
+def _progress(store: SimulatedStore, say: Any, every_s: float) -> Iterator[None]:
+    """Log the running phase's request count every ``every_s`` real seconds."""
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(every_s):
+            rec = store.recorder
+            say(f"    ... {rec.total:,} requests so far in this phase, virtual time {rec.t_last or 0:,.0f} s")
+
+    thread = threading.Thread(target=report, name="objckpt-scale-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def run_scenario(
+    options: ScaleOptions, *, log: Any = None, progress_s: float | None = None
+) -> ScenarioResult:
+    """Run the saves, the restore and the manifest measurement of ``options``; ``log`` gets a
+    line per phase (and, with ``progress_s``, the running request count that often)."""
     say = log or (lambda _msg: None)
     switches = switches_for(options)
     if switches.replicated_read == "once" and options.threads < options.world_size:
@@ -468,6 +490,8 @@ def run_scenario(options: ScaleOptions, *, log: Any = None) -> ScenarioResult:
             stack.callback(gc.collect)
         baton = stack.enter_context(clock.virtual_time(lag=options.lag))
         stack.enter_context(charged_parsing(options.memoize_manifest_decode))
+        if log is not None and progress_s:
+            stack.enter_context(_progress(store, say, progress_s))
         t = 0.0
         step = 0
         for _ in range(options.saves):
