@@ -115,14 +115,17 @@ def test_latency_and_bandwidth_add_up_as_modelled() -> None:
     store = _store(StoreProfile.unlimited(), net)
     tl = clock.Timeline(0.0, rank=0)
     with clock.virtual_time(), clock.acting_as(tl):
-        store.put("a", b"x" * 250_000)  # 0.05 s + 500,000 modelled bytes at 1 MB/s
+        store.put("data/a", b"x" * 250_000)  # 0.05 s + 500,000 modelled bytes at 1 MB/s
         assert tl.now == pytest.approx(0.55)
-        assert store.get_verified("a") == b"x" * 250_000  # again
+        assert store.get_verified("data/a") == b"x" * 250_000  # again
         assert tl.now == pytest.approx(1.10)
         list(store.list(""))
         assert tl.now == pytest.approx(1.30)
-        store.head("a")
+        store.head("data/a")
         assert tl.now == pytest.approx(1.35)
+        # outside data/ (a manifest, the pointer) bytes are their real size: 250,000 at 1 MB/s
+        store.put("manifests/m", b"x" * 250_000)
+        assert tl.now == pytest.approx(1.65)
 
     # 20 connections of one host at 1 MB/s each share its 10 MB/s NIC
     nic = Network(NetworkModel(connection_bandwidth=1e6, host_bandwidth=10e6, bandwidth_slot_s=0.01))

@@ -94,10 +94,10 @@ def charged_parsing(memoize: bool) -> Iterator[None]:
     original_key_of = getattr(save, "_manifest_key_of", None)
     Manifest.decode = classmethod(lambda cls, data, **kw: decode(data, **kw))  # type: ignore[method-assign, assignment]
     if original_key_of is not None:
-        save._manifest_key_of = _charged(original_key_of, memoize)
+        setattr(save, "_manifest_key_of", _charged(original_key_of, memoize))  # noqa: B010
     try:
         yield
     finally:
         Manifest.decode = original_decode  # type: ignore[method-assign]
         if original_key_of is not None:
-            save._manifest_key_of = original_key_of
+            setattr(save, "_manifest_key_of", original_key_of)  # noqa: B010
