@@ -319,7 +319,8 @@ class SimComm(Comm):
             raise DistributedError(f"{what}: rank {src} sent no bytes")
         net = self.world.network
         n = len(slot.data) * (net.byte_scale if shards else 1)
-        t = slot.t + net.collective_s(self.world_size, round(n))
+        # a receiver takes part from its own arrival: W broadcasts in a row cost W x the cost
+        t = max(slot.t, self._arrived()) + net.collective_s(self.world_size, round(n))
         for tl in self._hosted:
             tl.advance_to(t)
         return slot.data
