@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.render_only:
         saved = json.loads((REPO / "build" / "scale" / "results.json").read_text())
-        by_size = {kind: {int(n): r for n, r in rows.items()} for kind, rows in saved["runs"].items()}
+        loaded = {kind: {int(n): r for n, r in rows.items()} for kind, rows in saved["runs"].items()}
         target = Path(args.out) if args.out else REPO / "SCALE.md"
-        target.write_text(render(by_size, saved["sweeps"], saved.get("total_s", 0.0), argv=[]))
+        target.write_text(render(loaded, saved["sweeps"], saved.get("total_s", 0.0), argv=[]))
         log(f"wrote {target} from the saved results")
         return 0
 
@@ -238,11 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     for table, n, profile, fixes, limit in jobs:
         runs[table][n] = spawn(n, profile, fixes, tmp, limit)
         write()
-    for kind, by_size in runs.items():
-        for n, r in by_size.items():
-            log(
-                f"{kind} {n:>6} ranks: {r.get('process_s', 0):.0f}s real" + (" ERROR" if "error" in r else "")
-            )
+    for kind, results in runs.items():
+        for size, result in results.items():
+            failed = " ERROR" if "error" in result else ""
+            log(f"{kind} {size:>6} ranks: {result.get('process_s', 0):.0f}s real{failed}")
     text = write()
     if out is not None:
         log(f"wrote {out}")
