@@ -13,17 +13,16 @@ revision-1 run root *is* timeline 0, and stays readable and writable), and every
 keys start with ``t``, which sorts after every digit. "Manifests newer than the pointer's" is
 therefore one ``start_after`` LIST, never a scan of shard prefixes.
 
-``<spread>`` (invariant 16) is two hex digits of a hash of (step, attempt, rank)
-(:func:`spread_of`): one save's shards, and one restore's reads, fall on up to 256 key prefixes
-that are the same for every save (S3 partitions them once, not per save), while one rank's
-shards stay under one prefix. Keys without it (revision-1/2 run roots, or
+``<spread>`` (invariant 16) is two hex digits derived from the rank (:func:`spread_of`): one
+save's shards, and one restore's reads, fall on up to 256 key prefixes, evenly, and they are the
+same prefixes for every save (S3 partitions them once, not per save), while one rank's shards
+stay under one prefix. Keys without it (revision-1/2 run roots, or
 ``key_spreading=False``) stay valid: every parser here accepts both forms, a spread key only
 with the digits :func:`spread_of` gives.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
 
@@ -127,11 +126,18 @@ SPREAD_DIGITS = 2  # the regular expressions below spell it out: {2}
 _SPREAD_RE = re.compile(r"^[0-9a-f]{2}\Z", re.ASCII)
 
 
-def spread_of(step: int, attempt: str, rank: int) -> str:
-    """The spreading component of ``rank``'s shard keys in this attempt: the first hex digits of
-    a BLAKE2b hash of ``<step:020d>-<attempt>/<rank:05d>`` (uniform over the 256 prefixes)."""
-    text = f"{check_step(step):020d}-{check_attempt_id(attempt)}/{_check_rank(rank):05d}"
-    return hashlib.blake2b(text.encode("ascii"), digest_size=8).hexdigest()[:SPREAD_DIGITS]
+#: odd, so ``rank * _SPREAD_STRIDE mod 256`` is a permutation of the 256 residues
+_SPREAD_STRIDE = 167
+
+
+def spread_of(rank: int) -> str:
+    """The spreading component of ``rank``'s shard keys: ``rank * 167 mod 256`` in two hex
+    digits. A permutation of the residues: ``W`` ranks take ``min(W, 256)`` distinct prefixes,
+    as evenly as they can (``ceil(W / 256)`` ranks at most on one), consecutive ranks far apart
+    in key order (no hot key range), and every save uses the same prefixes -- their partitions
+    stay split between saves, and GC, verification and every other count is the same for every
+    save, whatever the history (flat, deterministic)."""
+    return f"{_check_rank(rank) * _SPREAD_STRIDE % 16**SPREAD_DIGITS:0{SPREAD_DIGITS}x}"
 
 
 def spread_prefix(spread: str) -> str:
@@ -177,7 +183,7 @@ def _check_rank(rank: int) -> int:
 def rank_prefix(step: int, attempt: str, rank: int, *, spread: bool = False) -> str:
     """The prefix of ``rank``'s shards in this attempt; ``spread``: under its spreading prefix."""
     _check_rank(rank)
-    where = spread_of(step, attempt, rank) if spread else None
+    where = spread_of(rank) if spread else None
     return f"{attempt_prefix(step, attempt, where)}{rank:05d}/"
 
 
@@ -210,7 +216,7 @@ def parse_shard_key(key: str) -> tuple[int, str, int, str] | None:
     if not m:
         return None
     step, attempt, rank, name = int(m.group(2)), m.group(3), int(m.group(4)), m.group(5)
-    if m.group(1) is not None and m.group(1) != spread_of(step, attempt, rank):
+    if m.group(1) is not None and m.group(1) != spread_of(rank):
         return None
     return (step, attempt, rank, name)
 
@@ -220,7 +226,7 @@ def is_shard_key_of(key: str, step: int, attempt: str, rank: int, name: str) -> 
     plain = shard_key(step, attempt, rank, name)  # validates every part
     if key == plain:
         return True
-    return key == f"{DATA_PREFIX}{spread_of(step, attempt, rank)}/{plain[len(DATA_PREFIX) :]}"
+    return key == f"{DATA_PREFIX}{spread_of(rank)}/{plain[len(DATA_PREFIX) :]}"
 
 
 def attempt_prefix_of(key: str) -> str | None:

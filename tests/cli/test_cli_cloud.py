@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from objckpt import layout
 from objckpt.reader import Reader
 from objckpt.store import open_store
 
@@ -95,7 +96,9 @@ def test_ls_show_latest_verify_gc(server, request):
     r = run_cli("gc", uri, "--keep-last", "1")
     assert r.rc == 0, r.err
     assert Reader(store).steps() == [3]
-    assert not list(store.list(ms[1].attempt_prefix))
+    assert not [
+        m for m in store.list("data/") if (layout.parse_shard_key(m.key) or ())[:2] == (1, ms[1].attempt)
+    ]
     assert Reader(store).latest().step == 3
     store.close()
 

@@ -116,7 +116,7 @@ def test_store_check_costs_one_list_per_1000_shards_and_no_heads(spread):
     Coordinator(store, world_size=5).commit(5, attempt, receipts)
     data_lists = [k for op, k in store.calls if op == "list_page" and k.startswith("data/")]
     if spread:  # one LIST per spread prefix used (500 shards each: one page), nothing else
-        used = sorted({layout.attempt_prefix(5, attempt, layout.spread_of(5, attempt, r)) for r in range(5)})
+        used = sorted({layout.attempt_prefix(5, attempt, layout.spread_of(r)) for r in range(5)})
         assert sorted(data_lists) == used
     else:
         assert data_lists == [layout.attempt_prefix(5, attempt)] * 3

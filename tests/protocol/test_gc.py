@@ -129,7 +129,7 @@ def test_gc_keeps_the_save_in_progress_and_removes_orphans_only_after_the_grace_
 
     now = clock.advance(timedelta(minutes=2))
     plan = collect(store, RetentionPolicy(), now=now)
-    spread_digits = layout.spread_of(20, orphan, 0) if spread else None
+    spread_digits = layout.spread_of(0) if spread else None
     assert [o.prefix for o in plan.orphans] == [layout.attempt_prefix(20, orphan, spread_digits)]
     assert keys_of_attempt(store, 20, orphan) == []
     assert keys_of_attempt(store, 30, in_progress)  # the save in progress
@@ -192,7 +192,7 @@ def test_an_orphan_committed_after_planning_is_not_deleted(clock):
     # one orphan prefix per spread prefix the attempt's ranks wrote under
     assert {o.attempt for o in plan.orphans} == {attempt}
     assert sorted(o.prefix for o in plan.orphans) == sorted(
-        {layout.attempt_prefix(10, attempt, layout.spread_of(10, attempt, r)) for r in range(2)}
+        {layout.attempt_prefix(10, attempt, layout.spread_of(r)) for r in range(2)}
     )
     Coordinator(store, world_size=2).commit(10, attempt, receipts)  # a slow save commits now
     result = run_gc(store, plan)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,7 @@ ATTEMPT = "00112233aabbccdd"
 def test_shard_is_written_under_its_own_rank_prefix_of_its_attempt():
     store = memory_store()
     r = ShardWriter(store, step=STEP, attempt=ATTEMPT, rank=3).write("opt/state.pt", b"abc")
-    spread = layout.spread_of(STEP, ATTEMPT, 3)
+    spread = layout.spread_of(3)
     assert r.key == f"data/{spread}/{STEP:020d}-{ATTEMPT}/00003/opt/state.pt"
     assert r.key.startswith(layout.rank_prefix(STEP, ATTEMPT, 3, spread=True))
     assert layout.parse_shard_key(r.key) == (STEP, ATTEMPT, 3, "opt/state.pt")
@@ -53,11 +54,14 @@ def test_a_spread_key_with_the_wrong_spreading_digits_is_not_a_shard_key():
 
 def test_one_save_spreads_over_many_prefixes_and_each_rank_stays_in_one():
     attempt = layout.new_attempt_id()
-    prefixes = {layout.rank_prefix(STEP, attempt, r, spread=True).split("/")[1] for r in range(4096)}
-    assert len(prefixes) == 256  # every spreading prefix is used at 4,096 ranks
+    per_prefix = Counter(layout.rank_prefix(STEP, attempt, r, spread=True).split("/")[1] for r in range(4096))
+    assert len(per_prefix) == 256 and set(per_prefix.values()) == {16}  # all 256, evenly
+    assert len({layout.spread_of(r) for r in range(100)}) == 100  # fewer ranks: one prefix each
+    # consecutive ranks far apart in key order: no hot key range
+    assert all(abs(int(layout.spread_of(r), 16) - int(layout.spread_of(r + 1), 16)) > 16 for r in range(255))
     for r in range(8):
         keys = {layout.shard_key(STEP, attempt, r, f"s{i}", spread=True).split("/")[1] for i in range(8)}
-        assert keys == {layout.spread_of(STEP, attempt, r)}
+        assert keys == {layout.spread_of(r)}
 
 
 @pytest.mark.parametrize("part_size", [None, 4], ids=["single-put", "multipart"])

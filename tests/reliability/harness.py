@@ -21,7 +21,7 @@ from typing import Any
 from objckpt._retry import RetryPolicy
 from objckpt.commit import Coordinator
 from objckpt.errors import IntegrityError, NoCheckpointError, StoreError
-from objckpt.layout import attempt_prefix, new_attempt_id
+from objckpt.layout import DATA_PREFIX, new_attempt_id, parse_shard_key
 from objckpt.manifest import Manifest
 from objckpt.reader import Reader
 from objckpt.store import Store, open_store
@@ -169,7 +169,8 @@ def keys_under(store: Store, prefix: str) -> list[str]:
 
 
 def attempt_keys(store: Store, step: int, attempt: str) -> list[str]:
-    return keys_under(store, attempt_prefix(step, attempt))
+    """The attempt's keys in either layout (spread shard keys lie under several prefixes)."""
+    return [k for k in keys_under(store, DATA_PREFIX) if (parse_shard_key(k) or ())[:2] == (step, attempt)]
 
 
 # ---------------------------------------------------------------------------------- backends

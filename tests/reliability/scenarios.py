@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from objckpt.gc import RetentionPolicy, plan_gc, run_gc
-from objckpt.layout import POINTER_KEY, attempt_prefix, manifest_key
+from objckpt.layout import POINTER_KEY, manifest_key, parse_shard_key
 from objckpt.reader import Reader
 from objckpt.store import PutMode, Store, open_store
 
@@ -177,8 +177,10 @@ def crash_scenario(leg: Leg, point: str) -> Outcome:
             got = restore(fresh)
             out.restored_step = got.step
             out.bytes_equal = got.shards == want
-            prefix = attempt_prefix(got.manifest.step, got.manifest.attempt)
-            assert all(r.key.startswith(prefix) for r in got.manifest.shards), "shards of attempts mixed"
+            own = (got.manifest.step, got.manifest.attempt)
+            assert all(parse_shard_key(r.key)[:2] == own for r in got.manifest.shards), (
+                "shards of attempts mixed"
+            )
             assert got.step == expected, f"restored step {got.step}, expected {expected}"
             assert out.bytes_equal, f"step {got.step} restored with different bytes"
             pointer = reader.pointer()
@@ -209,11 +211,11 @@ def crash_scenario(leg: Leg, point: str) -> Outcome:
             keep = 1 if point == "gc_between_deletes" else 10
             now = after_grace()
             plan = plan_gc(fresh, RetentionPolicy(keep_last=keep), grace_period=GRACE, now=now)
-            orphan_prefixes = {o.prefix for o in plan.orphans}
+            orphan_attempts = {(o.step, o.attempt) for o in plan.orphans}
             for s, a in doomed:
                 if left.get(s):
-                    assert attempt_prefix(s, a) in orphan_prefixes, (
-                        f"GC did not plan to sweep {attempt_prefix(s, a)}: {plan.describe()}"
+                    assert (s, a) in orphan_attempts, (
+                        f"GC did not plan to sweep step {s} attempt {a}: {plan.describe()}"
                     )
             assert not plan.manifests, f"GC would delete a committed step: {plan.describe()}"
             run_gc(fresh, plan)

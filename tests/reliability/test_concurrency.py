@@ -16,7 +16,7 @@ import pytest
 from objckpt.commit import Coordinator
 from objckpt.errors import CommitConflict, PreconditionFailedError
 from objckpt.gc import RetentionPolicy, plan_gc, run_gc
-from objckpt.layout import POINTER_KEY, attempt_prefix, manifest_key, new_attempt_id
+from objckpt.layout import POINTER_KEY, manifest_key, new_attempt_id
 from objckpt.manifest import Manifest, Pointer
 from objckpt.reader import Reader
 from objckpt.store import PutMode, Store, open_store
@@ -192,7 +192,7 @@ def test_gc_leaves_a_save_in_flight_alone(mleg: Leg, request: pytest.FixtureRequ
             before_uploads = [(u.key, u.upload_id) for u in store.list_uploads("")]
             assert before_keys and before_uploads
             plan = plan_gc(store, RetentionPolicy(keep_last=1), grace_period=GRACE)
-            assert attempt_prefix(20, attempt) not in {o.prefix for o in plan.orphans}
+            assert (20, attempt) not in {(o.step, o.attempt) for o in plan.orphans}
             assert not plan.uploads and not plan.manifests, plan.describe()
             run_gc(store, plan)
             assert attempt_keys(store, 20, attempt) == before_keys

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from objckpt import layout
 from objckpt.errors import CommitError, PermissionDeniedError
 from objckpt.gc import RetentionPolicy, plan_gc, run_gc
 from objckpt.reader import Reader
@@ -64,7 +65,8 @@ class GatedStore(CountingStore):
 
 def _step_of(key: str) -> int | None:
     if key.startswith("data/"):
-        return int(key.split("/")[1].split("-")[0])
+        parsed = layout.parse_shard_key(key)  # either layout (spread or not)
+        return parsed[0] if parsed is not None else None
     if key.startswith("manifests/"):
         return int(key.split("/")[1].split(".")[0])
     return None
