@@ -1,5 +1,5 @@
 """The simulator itself: its rate limits throttle at their rate on the virtual clock, latency and
-bandwidth add up as modelled, the virtual clock never sleeps for real, pacing orders requests,
+bandwidth add up as modelled, the virtual clock never sleeps for real, the baton orders requests,
 partitions split and buckets ramp as documented."""
 
 from __future__ import annotations
@@ -115,14 +115,17 @@ def test_latency_and_bandwidth_add_up_as_modelled() -> None:
     store = _store(StoreProfile.unlimited(), net)
     tl = clock.Timeline(0.0, rank=0)
     with clock.virtual_time(), clock.acting_as(tl):
-        store.put("a", b"x" * 250_000)  # 0.05 s + 500,000 modelled bytes at 1 MB/s
+        store.put("data/a", b"x" * 250_000)  # 0.05 s + 500,000 modelled bytes at 1 MB/s
         assert tl.now == pytest.approx(0.55)
-        assert store.get_verified("a") == b"x" * 250_000  # again
+        assert store.get_verified("data/a") == b"x" * 250_000  # again
         assert tl.now == pytest.approx(1.10)
         list(store.list(""))
         assert tl.now == pytest.approx(1.30)
-        store.head("a")
+        store.head("data/a")
         assert tl.now == pytest.approx(1.35)
+        # outside data/ (a manifest, the pointer) bytes are their real size: 250,000 at 1 MB/s
+        store.put("manifests/m", b"x" * 250_000)
+        assert tl.now == pytest.approx(1.65)
 
     # 20 connections of one host at 1 MB/s each share its 10 MB/s NIC
     nic = Network(NetworkModel(connection_bandwidth=1e6, host_bandwidth=10e6, bandwidth_slot_s=0.01))
@@ -171,7 +174,7 @@ def test_the_virtual_clock_never_sleeps_for_real(monkeypatch: pytest.MonkeyPatch
     assert tenacity.nap.time is time
 
 
-def test_pacing_keeps_requests_in_virtual_time_order() -> None:
+def test_the_baton_keeps_requests_in_virtual_time_order() -> None:
     store = _store(StoreProfile.unlimited(), NetworkModel(request_latency_s=0.01))
     order: list[float] = []
     lock = threading.Lock()
@@ -192,15 +195,15 @@ def test_pacing_keeps_requests_in_virtual_time_order() -> None:
             for i in range(100):
                 store.put(f"k{tl.rank}-{i}", b"x")
 
-    with clock.virtual_time(lag=0.05) as pacer:
-        assert pacer is not None
+    with clock.virtual_time(lag=0.05) as baton:
+        assert baton is not None
         # hold the baton while the threads start, so all of them queue for it (in a scenario a
         # collective lines them up the same way)
         with clock.acting_as(clock.Timeline(0.0)):
             threads = [threading.Thread(target=body, args=(tl,)) for tl in timelines]
             for t in threads:
                 t.start()
-            while len(pacer._ready) < len(threads):
+            while len(baton._ready) < len(threads):
                 time.sleep(0.001)
         for t in threads:
             t.join()

@@ -6,8 +6,11 @@ each: the sharded state) and ``replicated.bin``, this rank's ``1/N`` of the repl
 (``replicated_bytes / N``), all written through the rank's ``ShardWriter`` one after the other
 (``shards.write`` writes its shards in sequence; ``write_lanes`` > 1 models concurrent uploads).
 
-Restore (``stage``): today's rule of ``shards.stage``: a rank reads its own shards **and every
-rank's** ``replicated.bin`` (so each rank downloads the whole replicated state), through
+Restore (``stage``), ``replicated_read="every"`` (before the fix): a rank reads its own shards
+**and every rank's** ``replicated.bin`` (so each rank downloads the whole replicated state);
+``"once"``: the rank calls the library's ``coordination.exchange.read_shared`` on its
+communicator, as ``shards.stage`` does (it downloads ~1/W of the ``replicated.bin`` shards, the
+ranks broadcast them and CRC32C-check what they receive), then reads its own shards; through
 ``Reader.read_shard`` (size and CRC32C verified), ``read_lanes`` at a time (``shards.stage``
 uses a pool of 8). Unlike that pool, which drains its queue after a failed read, a simulated
 rank stops at its first failure, and (``stop_restore_on_failure``) once any rank has failed the
@@ -20,19 +23,23 @@ retry policy and reader; only their size is chosen small (see ``NetworkModel.byt
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from ...coordination.exchange import assign, read_shared
 from ...manifest import Manifest, ShardReceipt
 from ...reader import Reader
 from ...store.base import Store
 from ...writer import ShardWriter
 from . import clock
+from .fixes import Switches
+from .world import shard_payloads
 
 if TYPE_CHECKING:
-    from ...coordination.save import SaveTicket
+    from ...coordination.save import SaveSession, SaveTicket
     from .scenario import ScaleOptions
     from .world import SimComm, SimWorld
 
@@ -48,9 +55,35 @@ class RankIO:
     planned_bytes: dict[int, int] = field(default_factory=dict)
     planned_reads: dict[int, int] = field(default_factory=dict)
     read_bytes: dict[int, int] = field(default_factory=dict)
+    shared_bytes: dict[int, int] = field(default_factory=dict)
     written_bytes: dict[int, int] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Written:
+    """What ``SaveSession._list_own`` reads of a ticket (its writer), for a hosted rank."""
+
+    def __init__(self, writer: ShardWriter) -> None:
+        self.writer = writer
+
+
+class _Announcing:
+    """The ``Reader`` given to ``read_shared``: reads through the real reader, then tells the
+    simulated world which bytes this rank will broadcast (:meth:`SimWorld.announce`)."""
+
+    def __init__(self, reader: Reader, comm: SimComm) -> None:
+        self.reader = reader
+        self.comm = comm
+
+    def read_shard(self, receipt: ShardReceipt) -> bytes:
+        data = self.reader.read_shard(receipt)
+        tl = clock.current()
+        self.comm.world.announce(self.comm.rank, receipt.key, data, tl.now if tl is not None else 0.0)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.reader, name)
 
 
 class _Stopped(Exception):
@@ -60,8 +93,9 @@ class _Stopped(Exception):
 class Adapter:
     """The simulated training job's checkpoint content (see the module doc)."""
 
-    def __init__(self, options: ScaleOptions) -> None:
+    def __init__(self, options: ScaleOptions, switches: Switches | None = None) -> None:
         self.options = options
+        self.switches = switches or Switches()
         n = options.shards_per_rank
         if n < 1:
             raise ValueError("shards_per_rank must be >= 1")
@@ -69,6 +103,8 @@ class Adapter:
         self.io = RankIO()
         self._index: dict[int, tuple[Manifest, dict[int, list[ShardReceipt]], list[ShardReceipt]]] = {}
         self._index_lock = threading.Lock()
+        self._sizes: dict[int, tuple[list[ShardReceipt], int]] = {}
+        self._assigned: dict[int, tuple[list[ShardReceipt], dict[str, int], dict[int, int]]] = {}
 
     def reset(self) -> RankIO:
         old, self.io = self.io, RankIO()
@@ -82,7 +118,9 @@ class Adapter:
         seed = f"{step}:{rank}:{name}|".encode()
         return (seed * (size // len(seed) + 1))[:size]
 
-    def write(self, world: SimWorld, comm: SimComm, store: Store, ticket: SaveTicket) -> None:
+    def write(
+        self, world: SimWorld, comm: SimComm, store: Store, ticket: SaveTicket, session: SaveSession
+    ) -> None:
         """Write every hosted rank's shards; the first rank's through the session's ticket, the
         others' through their own ``ShardWriter`` (registered as their gather reports)."""
 
@@ -94,10 +132,19 @@ class Adapter:
                 except Exception as exc:  # noqa: BLE001 - reported to rank 0 like SaveSession.save
                     ticket.fail(exc)
                 return
-            writer = ShardWriter(store, step=ticket.step, attempt=ticket.attempt, rank=rank)
+            writer = ShardWriter(
+                store,
+                step=ticket.step,
+                attempt=ticket.attempt,
+                rank=rank,
+                key_spreading=self.switches.key_spreading,
+            )
             try:
                 self._write_rank(writer, ticket.step, rank)
                 report: dict[str, Any] = {"receipts": [r.to_dict() for r in writer.receipts]}
+                if self.switches.verify == "ranks":
+                    # what SaveSession.finish adds for its own rank, for this hosted one
+                    report["listing"] = session._list_own(cast("SaveTicket", _Written(writer)))
             except Exception as exc:  # noqa: BLE001 - becomes this rank's report
                 report = {"error": f"{type(exc).__name__}: {exc}"}
             world.report(rank, report)
@@ -141,18 +188,58 @@ class Adapter:
             self._index = {id(manifest): (manifest, own, replicated)}
             return own, replicated
 
-    def plan(self, manifest: Manifest, rank: int) -> list[ShardReceipt]:
-        """The shards ``rank`` reads to restore ``manifest`` (today: its own and every
-        ``replicated.bin``)."""
+    def plan(self, manifest: Manifest, rank: int) -> tuple[list[ShardReceipt], list[ShardReceipt]]:
+        """The shards ``rank`` reads to restore ``manifest`` (today: its own, then every
+        ``replicated.bin``), as two lists shared with the index (not concatenated: at 16,384
+        ranks one rank's list would hold 16,391 receipts, and every rank holds one)."""
         own, replicated = self._indexed(manifest)
-        return [*own.get(rank, []), *replicated]
+        return own.get(rank, []), replicated
+
+    def _size_of(self, receipts: list[ShardReceipt]) -> int:
+        with self._index_lock:
+            hit = self._sizes.get(id(receipts))
+            if hit is None or hit[0] is not receipts:
+                hit = self._sizes[id(receipts)] = (receipts, sum(r.size for r in receipts))
+            return hit[1]
+
+    def _owners(self, replicated: list[ShardReceipt]) -> tuple[dict[str, int], dict[int, int]]:
+        """``replicated_read="once"``: the library's own plan (``exchange.assign``) of who reads
+        which replicated shard, and the bytes each rank reads of them (cached per manifest)."""
+        with self._index_lock:
+            hit = self._assigned.get(id(replicated))
+            if hit is not None and hit[0] is replicated:
+                return hit[1], hit[2]
+        ordered = sorted({r.key: r for r in replicated}.values(), key=lambda r: r.key)
+        owners = assign(ordered, self.options.world_size)
+        loads: dict[int, int] = {}
+        for r in ordered:
+            loads[owners[r.key]] = loads.get(owners[r.key], 0) + r.size
+        with self._index_lock:
+            self._assigned = {id(replicated): (replicated, owners, loads)}
+        return owners, loads
 
     def stage(self, world: SimWorld, comm: SimComm, reader: Reader, manifest: Manifest) -> None:
-        """Read (and verify) every hosted rank's shards; raise the first failure."""
+        """Read (and verify) every hosted rank's shards; raise the first failure.
+
+        ``replicated_read="every"`` (before): each rank reads its own shards and every
+        ``replicated.bin``. ``"once"``: as ``training.shards.stage`` does then, each rank first
+        takes part in the library's :func:`~objckpt.coordination.exchange.read_shared` (it
+        downloads its assigned share of the ``replicated.bin`` shards, and every shard is
+        broadcast from its reader and CRC32C-checked by every other rank), then reads its own
+        shards."""
+        once = self.switches.replicated_read == "once" and world.world_size > 1
+        if once and world.group > 1:
+            raise ValueError(
+                "replicated_read='once' needs one thread per rank: read_shared is a collective of "
+                f"every rank, and {world.group} ranks share each thread here (raise max_threads)"
+            )
 
         def one(rank: int) -> None:
             try:
-                self._read_rank(reader, manifest, rank)
+                if once:
+                    self._read_once(comm, reader, manifest, rank)
+                else:
+                    self._read_rank(reader, manifest, rank)
             except _Stopped:
                 return  # the restore has failed elsewhere; the failing rank reports it
             except Exception as exc:
@@ -165,12 +252,36 @@ class Adapter:
                 raise outcome
 
     def _read_rank(self, reader: Reader, manifest: Manifest, rank: int) -> None:
+        own, replicated = self.plan(manifest, rank)
+        with self.io.lock:
+            self.io.planned_bytes[rank] = sum(r.size for r in own) + self._size_of(replicated)
+            self.io.planned_reads[rank] = len(own) + len(replicated)
+        done = self._read_each(reader, itertools.chain(own, replicated))
+        with self.io.lock:
+            self.io.read_bytes[rank] = done
+
+    def _read_once(self, comm: SimComm, reader: Reader, manifest: Manifest, rank: int) -> None:
+        own, replicated = self.plan(manifest, rank)
+        owners, loads = self._owners(replicated)
+        mine = loads.get(rank, 0)
+        with self.io.lock:
+            self.io.planned_bytes[rank] = sum(r.size for r in own) + mine
+            self.io.planned_reads[rank] = len(own) + sum(1 for r in replicated if owners[r.key] == rank)
+        announcing = cast(Reader, _Announcing(reader, comm))
+        with shard_payloads():
+            shared = read_shared(comm, announcing, replicated, f"restore(step={manifest.step})")
+        received = sum(len(b) for key, b in shared.items() if owners[key] != rank)
+        del shared
+        done = self._read_each(reader, iter(own))
+        with self.io.lock:
+            self.io.read_bytes[rank] = done + mine
+            self.io.shared_bytes[rank] = received
+
+    def _read_each(self, reader: Reader, receipts: Iterator[ShardReceipt]) -> int:
+        """Read ``receipts`` ``read_lanes`` at a time (virtual lanes of the rank's timeline);
+        the bytes read. Stops (``_Stopped``) once another rank has failed, if asked to."""
         tl = clock.current()
         assert tl is not None
-        receipts: Sequence[ShardReceipt] = self.plan(manifest, rank)
-        with self.io.lock:
-            self.io.planned_bytes[rank] = sum(r.size for r in receipts)
-            self.io.planned_reads[rank] = len(receipts)
         lanes = [tl.now] * max(1, self.options.read_lanes)
         done = 0
         stop = self.options.stop_restore_on_failure
@@ -184,5 +295,4 @@ class Adapter:
                 lanes[i] = tl.now
         finally:
             tl.set(max(max(lanes), tl.now))
-            with self.io.lock:
-                self.io.read_bytes[rank] = done
+        return done

@@ -57,13 +57,13 @@ from typing import Any
 
 __all__ = [
     "PATCHED_MODULES",
-    "Pacer",
+    "Baton",
     "Timeline",
     "acting_as",
     "blocked",
     "current",
-    "pace",
-    "pacer",
+    "baton",
+    "before_request",
     "phase",
     "virtual_time",
 ]
@@ -121,7 +121,7 @@ class Timeline:
         return f"Timeline(rank={self.rank}, now={self.now:.6f}, phase={self.phase!r})"
 
 
-class Pacer:
+class Baton:
     """The baton scheduler of the module doc. Thread-safe; identifies threads by ident."""
 
     def __init__(self, lag: float, *, stall_s: float = 60.0) -> None:
@@ -138,7 +138,7 @@ class Pacer:
         #: hand-overs of the baton, and forced ones after ``stall_s`` without any progress
         self.waits = 0
         self.violations = 0
-        threading.Thread(target=self._watch, name="objckpt-scale-pacer", daemon=True).start()
+        threading.Thread(target=self._watch, name="objckpt-scale-baton", daemon=True).start()
 
     def _grant_next(self) -> None:
         if self._ready:
@@ -210,7 +210,7 @@ class Pacer:
 
 
 _local = threading.local()
-_pacer: list[Pacer | None] = [None]
+_baton: list[Baton | None] = [None]
 
 
 def current() -> Timeline | None:
@@ -218,14 +218,15 @@ def current() -> Timeline | None:
     return getattr(_local, "timeline", None)
 
 
-def pacer() -> Pacer | None:
-    """The pacer of the running simulation, if pacing is on."""
-    return _pacer[0]
+def baton() -> Baton | None:
+    """The baton scheduler of the running simulation (``None``: threads run free)."""
+    return _baton[0]
 
 
-def pace() -> None:
-    """Called before every simulated request: wait until this thread may go on (pacing)."""
-    p, tl = _pacer[0], current()
+def before_request() -> None:
+    """Called before every simulated request: hand the baton to a thread more than ``lag``
+    behind this one, and wait for it back."""
+    p, tl = _baton[0], current()
     if p is not None and tl is not None:
         p.pace(tl)
 
@@ -236,7 +237,7 @@ def acting_as(timeline: Timeline | None) -> Iterator[Timeline | None]:
     the thread first waits for the baton if it does not hold it."""
     previous = current()
     _local.timeline = timeline
-    p = _pacer[0]
+    p = _baton[0]
     acquired = p is not None and timeline is not None and p.acquire(timeline)
     try:
         yield timeline
@@ -251,7 +252,7 @@ def blocked(timeline: Timeline | None = None) -> Iterator[None]:
     """The block waits for other threads (a collective, a join, a pool task): give the baton up
     meanwhile, queue for it again afterwards."""
     tl = timeline or current()
-    p = _pacer[0]
+    p = _baton[0]
     if p is None or tl is None or not p.holds():
         yield
         return
@@ -381,12 +382,12 @@ _PATCHES: tuple[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any
 
 
 @contextlib.contextmanager
-def virtual_time(*, lag: float | None = None, extra_modules: tuple[str, ...] = ()) -> Iterator[Pacer | None]:
+def virtual_time(*, lag: float | None = None, extra_modules: tuple[str, ...] = ()) -> Iterator[Baton | None]:
     """Install the virtual-time patches (see the module doc) for the duration of the block;
-    ``lag``: pace the active timelines to within ``lag`` virtual seconds (``None``: no pacing).
-    Yields the pacer.
+    ``lag``: run the simulated threads under a :class:`Baton` that keeps them within ``lag``
+    virtual seconds of each other (``None``: they run free). Yields the baton.
 
-    Re-entrant: nested simulations share the outermost installation (and its pacer).
+    Re-entrant: nested simulations share the outermost installation (and its baton).
     """
     with _install_lock:
         outermost = _installed[0] == 0
@@ -402,18 +403,18 @@ def virtual_time(*, lag: float | None = None, extra_modules: tuple[str, ...] = (
             for owner, attr, wrap in _PATCHES:
                 _saved[f"<{owner.__name__}.{attr}>"] = getattr(owner, attr)
                 setattr(owner, attr, wrap(getattr(owner, attr)))
-            _pacer[0] = Pacer(lag) if lag is not None else None
+            _baton[0] = Baton(lag) if lag is not None else None
         _installed[0] += 1
-        installed_pacer = _pacer[0]
+        installed_baton = _baton[0]
     try:
-        yield installed_pacer
+        yield installed_baton
     finally:
         with _install_lock:
             _installed[0] -= 1
             if _installed[0] == 0:
-                if _pacer[0] is not None:
-                    _pacer[0].close()
-                _pacer[0] = None
+                if _baton[0] is not None:
+                    _baton[0].close()
+                _baton[0] = None
                 for owner, attr, _ in _PATCHES:
                     setattr(owner, attr, _saved.pop(f"<{owner.__name__}.{attr}>"))
                 for name, original in list(_saved.items()):

@@ -1,30 +1,49 @@
-"""The scale fixes the simulator can switch on, and which of them exist yet.
+"""The scale fixes (issue 13) the simulator can switch on, and how each maps to the library.
 
-Each scenario option named here (:class:`~objckpt.testing.scale.scenario.ScaleOptions`) stands for
-one fix of the scale issue. A fix is *built* when its :attr:`Fix.enable` is set: a context
-manager factory that turns the library's feature on for the duration of a scenario (for example by
-passing an option to the sessions, or choosing a layout), given the scenario's options. The
-report (``python -m benchmarks.scale``) runs every size once with every option off ("before")
-and once with every built fix on ("after"); a fix whose ``enable`` is ``None`` is listed as not
-built yet, and asking a scenario for it raises :class:`FixNotBuilt` (never a silent no-op).
+Each :class:`Fix` is one :class:`~objckpt.testing.scale.scenario.ScaleOptions` flag. The
+library's own switch for it (``docs/DESIGN.md``, "Scale") is set on a :class:`Switches`: with
+every flag off the switches are today's design *before* the fixes (old key layout, coordinator
+LIST verification, every rank reading every replicated shard, no pacing), whatever the library's
+defaults are; each built fix's :attr:`Fix.enable` turns its switch on. The scenario passes the
+switches to the real code: ``SaveSession(key_spreading=, verify=)``, ``ShardWriter(key_spreading=)``
+for ranks hosted on another rank's thread, and for ``replicated_read="once"`` the adapter calls
+the library's :func:`objckpt.coordination.exchange.read_shared` (see :mod:`.adapter`).
 
-To wire a fix in, its author sets ``enable`` below and, when the fix changes what a rank writes or
-reads, the matching branch of :mod:`.adapter` (the simulator's mirror of ``CheckpointManager``'s
-shard layout). Nothing else in the simulator needs to change.
+A fix whose ``enable`` is ``None`` is listed as not built / not modelled (``note`` says why), and
+asking a scenario for it raises :class:`FixNotBuilt` (never a silent no-op).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-__all__ = ["FIXES", "Fix", "FixNotBuilt", "built", "fix", "not_built"]
+from ... import layout
+
+__all__ = [
+    "FIXES",
+    "Fix",
+    "FixNotBuilt",
+    "Switches",
+    "built",
+    "fix",
+    "not_built",
+    "spread_boundaries",
+    "switches_for",
+]
 
 
 class FixNotBuilt(RuntimeError):
-    """A scenario asked for a fix that does not exist in the library yet."""
+    """A scenario asked for a fix that does not exist in the library (or in the simulator)."""
+
+
+@dataclass
+class Switches:
+    """The library's scale switches for one scenario; the defaults are *before* the fixes."""
+
+    key_spreading: bool = False
+    verify: str = "coordinator"
+    replicated_read: str = "every"
 
 
 @dataclass(frozen=True)
@@ -35,32 +54,86 @@ class Fix:
         option: the :class:`ScaleOptions` field that asks for it.
         title: what it changes.
         goal: the goal of the issue it serves (as shown in ``SCALE.md``).
-        enable: ``enable(options)`` returns a context manager that switches the library's fix
-            on; ``None`` until the fix is built.
+        switch: the library's switch (``docs/DESIGN.md``, "Scale").
+        enable: sets the switch on a :class:`Switches`; ``None``: not built, or not modelled.
+        note: why ``enable`` is ``None``.
     """
 
     option: str
     title: str
     goal: str
-    enable: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None
+    switch: str
+    enable: Callable[[Switches], None] | None = None
+    note: str = ""
+
+
+def _spread(s: Switches) -> None:
+    s.key_spreading = True
+
+
+def _read_once(s: Switches) -> None:
+    s.replicated_read = "once"
+
+
+def _verify_ranks(s: Switches) -> None:
+    s.verify = "ranks"
 
 
 FIXES: tuple[Fix, ...] = (
     Fix(
         option="key_spreading",
         title=(
-            "shard keys carry a spreading component (invariant 16's `data/<spread>/...`) so a "
-            "save's writes and a restore's reads fall on many key-range partitions"
+            "shard keys carry a spreading component (`data/<hh>/<step>-<attempt>/<rank>/...`, 256 "
+            "prefixes that stay the same across saves) so a save's writes and a restore's reads "
+            "fall on many key-range partitions"
         ),
         goal="0 SlowDowns surfaced; hottest partition below its limit",
+        switch="SaveSession(key_spreading=True), ShardWriter(key_spreading=True)",
+        enable=_spread,
     ),
     Fix(
         option="replicated_read_once",
         title=(
-            "replicated state is read from the store about once per job (each rank reads its own "
-            "1/N part and the parts are shared over the training network)"
+            "replicated state is read from the store once per job: each rank downloads ~1/W of "
+            "the `replicated.bin` shards and the ranks broadcast them over the process group "
+            "(`coordination.exchange.read_shared`), CRC32C checked on every receiving rank"
         ),
         goal="restore reads <= 1.1x the unique bytes",
+        switch='shards.stage(comm=, replicated_read="once")',
+        enable=_read_once,
+    ),
+    Fix(
+        option="verify_ranks",
+        title=(
+            "commit verification spread over ranks: each rank LISTs its own prefix after its "
+            "writes and sends the listing with its receipts; the coordinator checks them and LISTs "
+            "nothing itself"
+        ),
+        goal="commit verification <= 1 LIST per 1,000 shards, or the equivalent spread over ranks",
+        switch='SaveSession(verify="ranks")',
+        enable=_verify_ranks,
+    ),
+    Fix(
+        option="auto_part_size",
+        title="part size chosen from the shard size (S3's 10,000-part limit, >= 32 MiB parts above 1 GiB)",
+        goal="fewer requests per big shard",
+        switch="Store.auto_part_size = True",
+        note=(
+            "built in the library; no effect at the modelled sizes (16 MiB shards are one PUT "
+            "either way: `part_size_for` changes nothing below 1 GiB)"
+        ),
+    ),
+    Fix(
+        option="aimd_pacing",
+        title="adaptive concurrency on SlowDown (AIMD limit on a rank's requests in flight)",
+        goal="0 SlowDowns surfaced",
+        switch="Store.pacing = store.pacing.Pacer()",
+        note=(
+            "built in the library, not modelled: a simulated rank's concurrency is virtual lanes "
+            "on one thread, so the real Pacer would see 1 request in flight and cut its limit to 1 "
+            "on the first SlowDown; the simulator turns pacing off (`store.pacing = None`) in "
+            "every scenario (see the hooks section)"
+        ),
     ),
 )
 
@@ -78,3 +151,25 @@ def built() -> list[Fix]:
 
 def not_built() -> list[Fix]:
     return [f for f in FIXES if f.enable is None]
+
+
+def switches_for(options: object) -> Switches:
+    """The switches of a scenario's ``options`` (a fix flag that is set but not built raises
+    :class:`FixNotBuilt`)."""
+    switches = Switches()
+    for f in FIXES:
+        if getattr(options, f.option, False):
+            if f.enable is None:
+                raise FixNotBuilt(f"{f.option}: not built or not modelled ({f.note or f.title})")
+            f.enable(switches)
+    return switches
+
+
+def spread_boundaries() -> tuple[str, ...]:
+    """The key-range boundaries of a bucket whose ``data/`` is partitioned at the 256 spreading
+    prefixes (``data/00/`` ... ``data/ff/``, :func:`objckpt.layout.spread_prefix`): what S3
+    learns from saves with ``key_spreading`` (their prefixes are the same every save, unlike
+    ``data/<step>-<attempt>/``) or sets up on request. Keys of the old layout
+    (``data/<step:020d>-...``) all sort into one of these ranges (``[data/00/, data/01/)``)."""
+    n = 16**layout.SPREAD_DIGITS
+    return tuple(layout.spread_prefix(f"{i:0{layout.SPREAD_DIGITS}x}") for i in range(n))

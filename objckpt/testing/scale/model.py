@@ -29,7 +29,8 @@ Latency and bandwidth (:class:`NetworkModel`, :class:`Network`)
     ``connection_bandwidth`` (one rank or pool worker is one connection) and within the host's
     NIC, ``host_bandwidth`` per direction shared by the ``ranks_per_host`` ranks of a host
     (a capacity calendar in slots of ``bandwidth_slot_s``). Payload sizes are the real bytes
-    multiplied by ``byte_scale`` (so small in-memory shards can stand for large ones).
+    multiplied by ``byte_scale`` for shard objects (keys under ``data/``: small in-memory shards
+    stand for large ones); manifests, pointers and markers move at their real size.
     A collective costs ``collective_latency_s x ceil(log2 N)`` plus its bytes at
     ``collective_bandwidth`` (a tree broadcast/gather on the training network).
 
@@ -369,12 +370,13 @@ class Network:
         self._lock = threading.Lock()
         self._nics: dict[tuple[int, str], _Calendar] = {}
 
-    def transfer(self, host: int, direction: str, start: float, nbytes: int) -> float:
-        """Finish time of ``nbytes`` real bytes (``byte_scale`` applied) moved at ``start``."""
+    def transfer(self, host: int, direction: str, start: float, nbytes: int, *, scaled: bool = True) -> float:
+        """Finish time of ``nbytes`` real bytes moved at ``start`` (``scaled``: shard bytes, each
+        standing for ``byte_scale``)."""
         if nbytes <= 0:
             return start
         m = self.model
-        amount = nbytes * m.byte_scale
+        amount = nbytes * (m.byte_scale if scaled else 1.0)
         with self._lock:
             nic = self._nics.get((host, direction))
             if nic is None:

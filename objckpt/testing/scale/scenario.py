@@ -24,9 +24,9 @@ CPU time (``time.thread_time``) of the coordinator's ``commit`` call and of ever
 (JSON of the collectives, the adapter, the store wrapper's bookkeeping) is not charged.
 
 ``memoize_manifest_decode``: every rank receives the same manifest bytes; with this option the
-real ``Manifest.decode`` runs once per distinct bytes object and every rank after the first gets
-the same decoded object, its virtual clock still charged the measured decode time (16,384 real
-decodes of a 26 MB manifest would take hours on 2 cores). Off, every rank decodes for real.
+real ``Manifest.decode`` (and the save session's ``json.loads`` of the body for its timeline) runs
+once per distinct bytes object and every rank after the first gets the same result, its virtual
+clock still charged the measured time (:mod:`.decoding`). Off, every rank parses for real.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ from ...manifest import Manifest
 from ...reader import Reader
 from . import clock
 from .adapter import Adapter, RankIO
-from .fixes import FIXES, FixNotBuilt
+from .decoding import charged_parsing
+from .fixes import FIXES, switches_for
 from .model import NetworkModel, RateModel, StoreProfile
 from .store import (
     IndexedMemoryStore,
@@ -86,10 +87,15 @@ class ScaleOptions:
         stop_restore_on_failure: once one rank's staging failed, the others stop issuing reads
             (the restore is failed anyway; a real job's ranks would go on until their own
             failure, so the traffic reported for a failed restore is a lower bound).
-        max_requests: stop a scenario that would issue more requests than this.
+        max_requests: stop a save (each save: the budget is per phase) that would issue more
+            requests than this (:class:`~.store.SimulationBudgetExceeded` fails it).
+        max_restore_requests: the same for the restore (``None``: ``max_requests``). Today's
+            restore at 4,096 ranks needs 16.8 M GETs (hours of this machine): a budget stops it
+            and the report states how far it got and the lower bound of the rest.
         seed_unthrottled: see step 2 of the module doc.
-        key_spreading, replicated_read_once: fixes (:mod:`.fixes`); ``True`` raises
-            :class:`FixNotBuilt` until the fix exists.
+        key_spreading, replicated_read_once, verify_ranks, auto_part_size, aimd_pacing: the
+            fixes (:mod:`.fixes`); all off is today's design before them. A fix that is not
+            built or not modelled raises :class:`FixNotBuilt`.
     """
 
     world_size: int = 8
@@ -109,9 +115,13 @@ class ScaleOptions:
     lag: float | None = 0.25
     stop_restore_on_failure: bool = True
     max_requests: int | None = 6_000_000
+    max_restore_requests: int | None = None
     seed_unthrottled: bool = True
     key_spreading: bool = False
     replicated_read_once: bool = False
+    verify_ranks: bool = False
+    auto_part_size: bool = False
+    aimd_pacing: bool = False
 
     @property
     def fixes(self) -> list[str]:
@@ -161,6 +171,7 @@ class PhaseResult:
     planned_reads: int
     planned_read_bytes: int
     threads: int
+    shared_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -180,6 +191,9 @@ class ScenarioResult:
     wall_s: float
     pace_waits: int = 0
     lag_violations: int = 0
+    #: distinct ``data/<x>/`` second components of the latest manifest's shard keys (1 for the
+    #: old layout ``data/<step>-<attempt>/``; up to 256 with key spreading)
+    key_prefixes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -221,76 +235,6 @@ class _InstrumentedSaveSession(SaveSession):
             self.probe.retain_start = tl.now if tl else None
             super().retain()
             self.probe.retain_end = tl.now if tl else None
-
-
-class _Decoded:
-    """One memoized decode: the first caller decodes, concurrent callers wait for it."""
-
-    def __init__(self, data: bytes, key: str) -> None:
-        self.data = data
-        self.key = key
-        self.done = threading.Event()
-        self.manifest: Manifest | None = None
-        self.cpu = 0.0
-
-
-@contextlib.contextmanager
-def _charged_decode(memoize: bool) -> Iterator[None]:
-    """Charge every ``Manifest.decode`` its CPU on the caller's timeline; optionally decode each
-    distinct bytes object once (see the module doc)."""
-    original = Manifest.__dict__["decode"]
-    cache: dict[int, _Decoded] = {}
-    lock = threading.Lock()
-
-    def real(cls: type[Manifest], data: bytes, key: str) -> tuple[Manifest, float]:
-        t0 = time.thread_time()
-        manifest = original.__func__(cls, data, key=key)
-        return manifest, time.thread_time() - t0
-
-    def decode(cls: type[Manifest], data: bytes, *, key: str) -> Manifest:
-        tl = clock.current()
-        if not (memoize and isinstance(data, bytes)):
-            manifest, cpu = real(cls, data, key)
-        else:
-            with lock:
-                entry = cache.get(id(data))
-                leader = entry is None or entry.data is not data or entry.key != key
-                if leader:
-                    entry = cache[id(data)] = _Decoded(data, key)
-                    for old in [k for k, e in cache.items() if e is not entry and e.done.is_set()][:-4]:
-                        del cache[old]
-            assert entry is not None
-            if leader:
-                try:
-                    entry.manifest, entry.cpu = real(cls, data, key)
-                finally:
-                    entry.done.set()
-            else:
-                with clock.blocked():
-                    entry.done.wait()
-            if entry.manifest is None:  # the leader's decode raised: raise the same, ourselves
-                manifest, cpu = real(cls, data, key)
-            else:
-                manifest, cpu = entry.manifest, entry.cpu
-        if tl is not None:
-            tl.advance(cpu)
-        return manifest
-
-    Manifest.decode = classmethod(decode)  # type: ignore[method-assign, assignment]
-    try:
-        yield
-    finally:
-        Manifest.decode = original  # type: ignore[method-assign]
-
-
-def _check_fixes(options: ScaleOptions) -> list[contextlib.AbstractContextManager[Any]]:
-    contexts = []
-    for f in FIXES:
-        if getattr(options, f.option):
-            if f.enable is None:
-                raise FixNotBuilt(f"{f.option}: not built yet ({f.title})")
-            contexts.append(f.enable(options))
-    return contexts
 
 
 def _counts(c: Any) -> dict[str, int]:
@@ -407,6 +351,7 @@ def _summarise(
         planned_reads=sum(io.planned_reads.values()),
         planned_read_bytes=sum(io.planned_bytes.values()),
         threads=world.threads,
+        shared_bytes=sum(io.shared_bytes.values()),
     )
 
 
@@ -422,11 +367,19 @@ def _save(
     retention = RetentionPolicy(keep_last=options.keep_last) if options.keep_last is not None else None
 
     def body(comm: SimComm) -> Any:
-        session = _InstrumentedSaveSession(store, comm, retention=retention)
+        session = _InstrumentedSaveSession(
+            store,
+            comm,
+            retention=retention,
+            key_spreading=adapter.switches.key_spreading,
+            verify=adapter.switches.verify,
+        )
         session.probe = probe
         try:
             with clock.phase("save"):
-                manifest = session.save(step, lambda ticket: adapter.write(world, comm, store, ticket))
+                manifest = session.save(
+                    step, lambda ticket: adapter.write(world, comm, store, ticket, session)
+                )
             return manifest.step
         finally:
             with lock:
@@ -462,6 +415,9 @@ def _restore(
     adapter.reset()
     world = SimWorld(options.world_size, threads=options.threads, network=options.network, start=start)
     reader = Reader(store)
+    saves_budget = store.max_requests
+    if options.max_restore_requests is not None:
+        store.max_requests = options.max_restore_requests
 
     def body(comm: SimComm) -> Any:
         session = RestoreSession(store, comm)
@@ -470,17 +426,46 @@ def _restore(
         return None if restored is None else restored.step
 
     wall = time.perf_counter()
-    results = world.run(body)
+    try:
+        results = world.run(body)
+    finally:
+        store.max_requests = saves_budget
     wall = time.perf_counter() - wall
     rec = store.reset()
     io = adapter.reset()
     return _summarise("restore", None, results, rec, io, store, world, start, wall), world.now
 
 
-def run_scenario(options: ScaleOptions, *, log: Any = None) -> ScenarioResult:
-    """Run the saves, the restore and the manifest measurement of ``options``."""
+@contextlib.contextmanager
+def _progress(store: SimulatedStore, say: Any, every_s: float) -> Iterator[None]:
+    """Log the running phase's request count every ``every_s`` real seconds."""
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(every_s):
+            rec = store.recorder
+            say(f"    ... {rec.total:,} requests so far in this phase, virtual time {rec.t_last or 0:,.0f} s")
+
+    thread = threading.Thread(target=report, name="objckpt-scale-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def run_scenario(
+    options: ScaleOptions, *, log: Any = None, progress_s: float | None = None
+) -> ScenarioResult:
+    """Run the saves, the restore and the manifest measurement of ``options``; ``log`` gets a
+    line per phase (and, with ``progress_s``, the running request count that often)."""
     say = log or (lambda _msg: None)
-    contexts = _check_fixes(options)
+    switches = switches_for(options)
+    if switches.replicated_read == "once" and options.threads < options.world_size:
+        raise ValueError(
+            "replicated_read='once' needs one thread per rank (read_shared is a collective of every "
+            f"rank; {options.world_size} ranks on {options.threads} threads here): raise max_threads"
+        )
     started = time.perf_counter()
     store = SimulatedStore(
         IndexedMemoryStore("scale", retry=options.retry),
@@ -488,20 +473,25 @@ def run_scenario(options: ScaleOptions, *, log: Any = None) -> ScenarioResult:
         network=options.network,
         max_requests=options.max_requests,
     )
-    adapter = Adapter(options)
+    # one AIMD pacer shared by every simulated rank would throttle them all together, and it
+    # would see real (not virtual) requests in flight: off, in every scenario (see .fixes)
+    for s in (store, store.inner):
+        s.pacing = None
+        s.auto_part_size = options.auto_part_size
+    adapter = Adapter(options, switches)
     saves: list[PhaseResult] = []
     restore: PhaseResult | None = None
-    pacer: clock.Pacer | None = None
+    baton: clock.Baton | None = None
     with contextlib.ExitStack() as stack:
         # Cyclic GC over thousands of thread stacks costs ~25% of the run; collect once at the end.
         if gc.isenabled():
             gc.disable()
             stack.callback(gc.enable)
             stack.callback(gc.collect)
-        pacer = stack.enter_context(clock.virtual_time(lag=options.lag))
-        stack.enter_context(_charged_decode(options.memoize_manifest_decode))
-        for ctx in contexts:
-            stack.enter_context(ctx)
+        baton = stack.enter_context(clock.virtual_time(lag=options.lag))
+        stack.enter_context(charged_parsing(options.memoize_manifest_decode))
+        if log is not None and progress_s:
+            stack.enter_context(_progress(store, say, progress_s))
         t = 0.0
         step = 0
         for _ in range(options.saves):
@@ -552,8 +542,9 @@ def run_scenario(options: ScaleOptions, *, log: Any = None) -> ScenarioResult:
         manifest_decode_s=decode_s,
         manifest_encode_s=encode_s,
         wall_s=time.perf_counter() - started,
-        pace_waits=pacer.waits if pacer is not None else 0,
-        lag_violations=pacer.violations if pacer is not None else 0,
+        key_prefixes=len({s.key.split("/", 2)[1] for s in latest.shards}) if latest is not None else 0,
+        pace_waits=baton.waits if baton is not None else 0,
+        lag_violations=baton.violations if baton is not None else 0,
     )
 
 

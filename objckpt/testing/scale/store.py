@@ -139,6 +139,11 @@ def op_kind(op: str) -> str:
     return "write"
 
 
+def _is_shard(key: str) -> bool:
+    """Shard bytes stand for ``byte_scale`` times as many; a manifest's are its real size."""
+    return key.startswith(layout.DATA_PREFIX)
+
+
 def _payload_bytes(args: tuple[Any, ...]) -> int:
     n = 0
     for a in args:
@@ -282,7 +287,7 @@ class SimulatedStore(_Wrapper):
     def _invoke(self, op: str, key: str, keys: list[str] | None, fn: Any, *args: Any) -> Any:
         tl = clock.current()
         if tl is not None:
-            clock.pace()  # requests reach the rate limiter in virtual-time order (to within the lag)
+            clock.before_request()  # requests reach the rate limiter in virtual-time order (to within the lag)
         self._record(op, key, tl)
         kind = op_kind(op)
         if tl is None:
@@ -306,29 +311,29 @@ class SimulatedStore(_Wrapper):
         if sent:
             with self._rec_lock:
                 self.recorder.bytes_written[tl.rank] += sent
-            tl.advance_to(self.net.transfer(tl.host, "up", tl.now, sent))
+            tl.advance_to(self.net.transfer(tl.host, "up", tl.now, sent, scaled=_is_shard(key)))
         result = _inner(fn, *args)
         if isinstance(result, (bytes, bytearray, memoryview)):
-            self._received(len(result))
+            self._received(len(result), _is_shard(key))
         elif isinstance(result, Iterator):
-            return self._metered(result)
+            return self._metered(result, _is_shard(key))
         return result
 
-    def _received(self, n: int) -> None:
+    def _received(self, n: int, scaled: bool) -> None:
         tl = clock.current()
         if tl is None or n <= 0:
             return
         with self._rec_lock:
             self.recorder.bytes_read[tl.rank] += n
-        tl.advance_to(self.net.transfer(tl.host, "down", tl.now, n))
+        tl.advance_to(self.net.transfer(tl.host, "down", tl.now, n, scaled=scaled))
 
-    def _metered(self, stream: Iterator[bytes]) -> Iterator[bytes]:
+    def _metered(self, stream: Iterator[bytes], scaled: bool) -> Iterator[bytes]:
         try:
             while True:
                 chunk = _inner(next, stream, None)
                 if chunk is None:
                     return
-                self._received(len(chunk))
+                self._received(len(chunk), scaled)
                 yield chunk
         finally:
             close = getattr(stream, "close", None)

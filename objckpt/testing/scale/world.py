@@ -5,9 +5,11 @@ virtual clock per rank.
 collective still crosses the thread world's barriers as JSON (so the sessions run exactly their
 production collectives), and each value is wrapped with the sender's virtual time, so that every
 rank leaves a collective at the time its last participant arrived plus the modelled cost
-(:meth:`NetworkModel.collective_s`). ``broadcast_bytes`` uses a byte path, as the gloo transport
-does (the manifest is not pushed through base64 JSON once per rank); every rank receives the very
-same ``bytes`` object.
+(:meth:`NetworkModel.collective_s`). ``broadcast_bytes`` (from rank 0 or, ``src=``, any rank)
+uses a byte path, as the gloo transport does: the source's thread publishes the bytes and the
+others wait for that one thread only, not on the thread world's barrier (a restore that reads
+replicated state once makes one broadcast per replicated shard, W of them, and a 4,096-thread
+barrier costs ~1 s here); every rank receives the very same ``bytes`` object.
 
 **Hosting several ranks per thread** (``threads < world_size``). A ``ThreadWorld`` barrier wakes
 every thread, and on this 2-core machine that costs ~0.2 ms per thread per barrier, growing faster
@@ -29,7 +31,6 @@ With ``threads == world_size`` nothing is derived.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -40,9 +41,22 @@ from ...errors import DistributedError
 from . import clock
 from .model import NetworkModel
 
-__all__ = ["SimComm", "SimWorld"]
+__all__ = ["SimComm", "SimWorld", "shard_payloads"]
 
 T = TypeVar("T")
+_payloads = threading.local()
+
+
+@contextlib.contextmanager
+def shard_payloads() -> Iterator[None]:
+    """Byte broadcasts of the calling thread inside the block carry shard bytes, which stand for
+    ``byte_scale`` times as many (a manifest's bytes are its real size)."""
+    previous = getattr(_payloads, "on", False)
+    _payloads.on = True
+    try:
+        yield
+    finally:
+        _payloads.on = previous
 
 
 class SimWorld:
@@ -77,8 +91,10 @@ class SimWorld:
         per_host = self.network.ranks_per_host
         self.timelines = [clock.Timeline(start, rank, rank // per_host) for rank in range(world_size)]
         self._pending: dict[int, Any] = {}
-        self._bytes: dict[int, bytes | None] = {}
-        self._tokens = itertools.count()
+        self._slots: dict[int, _Slot] = {}
+        self._announced: dict[tuple[int, str], _Slot] = {}
+        self._broken: str | None = None
+        self._timeout = timeout
         self._lock = threading.Lock()
         self.stack_size = 512 * 1024
 
@@ -149,8 +165,12 @@ class SimWorld:
 
         def body(tcomm: ThreadComm) -> T:
             comm = SimComm(self, tcomm)
-            with clock.acting_as(self.timelines[comm.rank]):
-                return fn(comm)
+            try:
+                with clock.acting_as(self.timelines[comm.rank]):
+                    return fn(comm)
+            except BaseException as exc:
+                self._break(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}")
+                raise
 
         return self.threads_world.run(body, stack_size=self.stack_size)
 
@@ -160,17 +180,70 @@ class SimWorld:
         with self._lock:
             return {r: self._pending.pop(r) for r in ranks if r in self._pending}
 
-    def _stash(self, data: bytes | None) -> int:
+    def _break(self, why: str) -> None:
+        """A thread left early: wake every rank waiting for a byte broadcast it may never send."""
         with self._lock:
-            token = next(self._tokens)
-            self._bytes[token] = data
-            for old in [t for t in self._bytes if t < token - 8]:
-                del self._bytes[old]
-            return token
+            if self._broken is None:
+                self._broken = why
+            slots = list(self._slots.values())
+        for slot in slots:
+            slot.ready.set()
 
-    def _unstash(self, token: int) -> bytes | None:
+    def announce(self, rank: int, key: str, data: bytes, t: float) -> None:
+        """``rank`` holds ``key``'s verified bytes since virtual time ``t`` (it read them to
+        broadcast them later, :func:`~objckpt.coordination.exchange.read_shared`)."""
+        slot = _Slot()
+        slot.data, slot.t, slot.sent = data, t, True
         with self._lock:
-            return self._bytes[token]
+            self._announced[(rank, key)] = slot
+
+    def _share(
+        self, seq: int, src: int, rank: int, data: bytes | None, t: float, what: str, key: str | None
+    ) -> _Slot:
+        """The ``seq``-th byte broadcast of every thread: ``src``'s thread publishes, the others
+        wait for it (not for each other: a broadcast needs only its source). A receiver that
+        arrives before the source but knows the bytes' ``key`` takes what the source announced
+        (:meth:`announce`) instead of waiting: the same bytes, without the ranks handing the
+        baton back and forth once per broadcast (W^2 hand-overs for W ranks' W broadcasts)."""
+        if key is not None and rank != src:
+            early = self._announced.get((src, key))  # a dict read: atomic under the GIL
+            if early is not None:
+                return early
+        with self._lock:
+            slot = self._slots.get(seq)
+            if slot is None:
+                slot = self._slots[seq] = _Slot()
+            if self._broken is not None:
+                slot.ready.set()
+        if rank == src:
+            slot.data = bytes(data) if data is not None else None
+            slot.t = t
+            slot.sent = True
+            slot.ready.set()
+        elif not slot.ready.is_set():
+            with clock.blocked():
+                if not slot.ready.wait(self._timeout):
+                    raise DistributedError(f"{what}: rank {src} sent nothing within {self._timeout:g}s")
+        with self._lock:
+            slot.left += 1
+            if slot.left == self.threads:
+                del self._slots[seq]  # every thread has it: free the bytes
+        if not slot.sent:
+            raise DistributedError(f"{what}: rank {src} never sent ({self._broken})")
+        return slot
+
+
+class _Slot:
+    """One byte broadcast in flight (see :meth:`SimWorld._share`)."""
+
+    __slots__ = ("data", "left", "ready", "sent", "t")
+
+    def __init__(self) -> None:
+        self.data: bytes | None = None
+        self.t = 0.0
+        self.left = 0
+        self.sent = False
+        self.ready = threading.Event()
 
 
 class SimComm(Comm):
@@ -182,6 +255,7 @@ class SimComm(Comm):
         self.rank = inner.rank * world.group
         self.world_size = world.world_size
         self._hosted = [world.timelines[r] for r in world.hosted(self)]
+        self._seq = 0
 
     @property
     def timeline(self) -> clock.Timeline:
@@ -225,14 +299,31 @@ class SimComm(Comm):
             tl.advance_to(t)
         return got["v"]
 
-    def broadcast_bytes(self, data: bytes | None, what: str) -> bytes:
-        token = self.world._stash(bytes(data) if data is not None else None) if self.rank == 0 else None
-        n = len(data) if self.rank == 0 and data is not None else 0
-        token = self._broadcast(token, what, handshake=False, nbytes=n)
-        got = self.world._unstash(int(token))
-        if got is None:
-            raise DistributedError(f"{what}: rank 0 sent no bytes")
-        return got
+    def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
+        """Rank ``src``'s bytes on every rank, the very same object (see :meth:`SimWorld._share`);
+        each rank leaves at ``src``'s arrival plus the collective's modelled cost."""
+        if not 0 <= src < self.world_size:
+            raise DistributedError(f"{what}: no rank {src} in a world of {self.world_size}")
+        if src % self.world.group:
+            raise DistributedError(
+                f"{what}: rank {src} is hosted on rank {src - src % self.world.group}'s thread and takes "
+                "no part in collectives of its own (run with one thread per rank)"
+            )
+        seq = self._seq
+        self._seq += 1
+        shards = getattr(_payloads, "on", False)
+        # read_shared names each broadcast "<what>: <key>"
+        key = what.rsplit(": ", 1)[-1] if shards and ": " in what else None
+        slot = self.world._share(seq, src, self.rank, data, self._arrived(), what, key)
+        if slot.data is None:
+            raise DistributedError(f"{what}: rank {src} sent no bytes")
+        net = self.world.network
+        n = len(slot.data) * (net.byte_scale if shards else 1)
+        # a receiver takes part from its own arrival: W broadcasts in a row cost W x the cost
+        t = max(slot.t, self._arrived()) + net.collective_s(self.world_size, round(n))
+        for tl in self._hosted:
+            tl.advance_to(t)
+        return slot.data
 
     def background(self) -> Comm:
         return self

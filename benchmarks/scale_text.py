@@ -1,0 +1,99 @@
+"""The fixed prose of ``SCALE.md``: what the simulator is, its model's parameters, the hooks the
+library lacks. (Numbers live in the tables :mod:`benchmarks.scale_report` renders.)"""
+
+from __future__ import annotations
+
+from objckpt._retry import RetryPolicy
+from objckpt.testing.scale import NetworkModel, StoreProfile
+
+SIMULATOR = [
+    "## The simulator",
+    "",
+    "Code: `objckpt/testing/scale/` (the simulator), `benchmarks/scale.py` (the scenarios), "
+    "`benchmarks/scale_report.py` (these tables), `tests/scale/` (CI: counts at 8 and 64 ranks before "
+    "and after each fix, and the simulator's own validation).",
+    "",
+    "**Real** (objckpt's code, unmodified, called as a job calls it): `SaveSession` (handshake, "
+    "receipts gather, `Coordinator.commit` with its verification, manifest create-if-absent, pointer "
+    "compare-and-swap, retention/GC), `RestoreSession` (rank 0 resolves, broadcasts the manifest, every "
+    "rank validates it, the agreement rounds), `ShardWriter` (with `key_spreading`), "
+    "`coordination.exchange.read_shared` and `assign` (replicated state read once), `Reader.read_shard` "
+    "(CRC32C-verified streams), the store's public methods with its retry policy (tenacity, jitter, "
+    "deadline) and `get_stream`'s resume loop, `MemoryStore` holding every byte, the library's "
+    "`ThreadWorld` carrying every gather and broadcast as JSON between threads.",
+    "",
+    "**Simulated**: the store's performance (rate limits with 503 SlowDown, latency, bandwidth) and time "
+    "itself (a virtual clock per rank); collective costs; what a rank writes and reads (a torch-free "
+    "mirror of `CheckpointManager`'s layout: `shard-NN.bin` x 7 + `replicated.bin`; before the fix a "
+    "restore reads its own shards and every `replicated.bin`, 8 reads in flight); sizes (`byte_scale`). "
+    "Byte broadcasts (`Comm.broadcast_bytes`, also from `src` != 0) are a rendezvous on the source's "
+    "thread instead of a barrier of every thread. Beyond 4,096 ranks, 4 ranks per `ThreadWorld` thread: "
+    "the sessions still see N ranks and the coordinator verifies N ranks' receipts, every rank's I/O runs "
+    "on its own thread and timeline, but a thread's other ranks contribute its first rank's values to "
+    "the handshake and staging verdicts (their own receipts, and listings, to the commit). Every rank "
+    "parses the manifest it receives (`Manifest.decode`, and on save a `json.loads` of the body for its "
+    "timeline): the real parse runs once per distinct bytes object and every rank's clock is charged "
+    "its measured CPU (W real parses of a manifest that grows with W are O(W^2) here).",
+    "",
+    "**Virtual clock**: a request costs its latency plus its bytes at the connection's and the host "
+    "NIC's bandwidth; a 503 costs its latency and the retry policy's own backoff sleep, which the "
+    "simulation turns into virtual time by replacing the `time` module seen by `tenacity`, "
+    "`tenacity.nap`, `objckpt.store.base` and the sessions (and patching `ThreadPoolExecutor` so pool "
+    "threads inherit their submitter's clock); no simulated thread sleeps for real (tested). Simulated "
+    "threads run one at a time, earliest virtual time first (a baton handed over within a 0.25 s lag), "
+    "so requests reach the rate limiter in time order. Charged CPU: the coordinator's `commit` (thread "
+    "CPU minus the in-memory store's) and every manifest parse.",
+]
+
+
+def model_table() -> list[str]:
+    s3, gcs, net, retry = StoreProfile.s3(), StoreProfile.gcs(), NetworkModel(), RetryPolicy()
+    assert s3.partition_limits is not None and gcs.bucket_limits is not None
+    return [
+        "### Model parameters (`objckpt/testing/scale/model.py`)",
+        "",
+        "| parameter | S3 profile | GCS profile | source |",
+        "|---|---|---|---|",
+        f"| writes per second (PUT, POST, DELETE) | {s3.partition_limits.write_per_s:,.0f} per key-range partition "
+        f"| ~{gcs.bucket_limits.write_per_s:,.0f} per bucket | s3_rates, gcs_rates |",
+        f"| reads per second (GET, HEAD, LIST) | {s3.partition_limits.read_per_s:,.0f} per partition (LIST assumed a read) "
+        f"| ~{gcs.bucket_limits.read_per_s:,.0f} per bucket (listing is a read) | s3_rates, gcs_rates |",
+        f"| counting | fixed {s3.window_s:g} s windows; a refused request uses no capacity | same | assumed |",
+        f"| adaptation | a partition throttling for {s3.split_after_s / 60 if s3.split_after_s else 0:g} min splits at "
+        f"the median of its recent keys | the bucket limit doubles per {gcs.ramp_period_s / 60 if gcs.ramp_period_s else 0:g} "
+        "min above half its limit | s3_split_time, gcs_rates |",
+        "| initial partitions | `data/` cut at the 256 spreading prefixes (see the header) | one bucket | s3_503, assumed |",
+        "| DeleteObjects | 1 request, 1 write unit per key | same | assumed |",
+        f"| request latency | {net.request_latency_s * 1000:g} ms (small requests: tens of ms) | same | s3_503 |",
+        f"| LIST page latency / 503 latency | {net.list_latency_s * 1000:g} ms / {net.error_latency_s * 1000:g} ms | same | assumed |",
+        f"| bandwidth | {net.connection_bandwidth / 1e6:g} MB/s per connection, {net.host_bandwidth / 1e9:g} GB/s per "
+        f"host and direction, {net.ranks_per_host} ranks per host | same | assumed |",
+        f"| collectives | {net.collective_latency_s * 1e6:g} us per tree level + {net.collective_bandwidth / 1e9:g} GB/s | same | assumed |",
+        f"| retry policy | the library's default: {retry.deadline:g} s deadline per request, backoff {retry.initial_backoff:g} s "
+        f"doubling to {retry.max_backoff:g} s with full jitter, at most {retry.max_attempts:,} tries | same | `objckpt/_retry.py` |",
+        "| AIMD pacing (`Store.pacing`) | off (not modelled, see Fixes) | off | - |",
+    ]
+
+
+HOOKS = [
+    "## Hooks the library lacks (worked around here)",
+    "",
+    "- **An injectable clock/sleep** (`RetryPolicy(sleep=, monotonic=)`, and for `Store.get_stream`'s "
+    "resume loop and the sessions' timestamps): the simulator replaces the `time` module inside "
+    "tenacity, `objckpt.store.base` and the sessions instead.",
+    "- **AIMD pacing with virtual concurrency**: `store.pacing.Pacer` counts real requests in flight "
+    "and waits on a real condition variable; a simulated rank issues its concurrent requests as virtual "
+    "lanes of one thread, so the Pacer would see 1 in flight and cut its limit to 1 on the first "
+    "SlowDown (and one Pacer per store object would be shared by every simulated rank). A Pacer that "
+    "takes the in-flight count and a clock from its caller, or a limit a caller can read to size its "
+    "own concurrency (as `shards.stage`'s pool could), would let the simulator drive the real one.",
+    "- **One manifest parse per rank**: `SaveSession.finish` `json.loads` the whole manifest body to "
+    "learn its timeline (`_manifest_key_of`) and then `Manifest.decode` parses it again; the timeline "
+    "could come with the commit outcome broadcast. The simulator memoizes both per bytes object.",
+    "- **A byte path on `Comm` without per-shard collectives**: `read_shared` makes one broadcast per "
+    "replicated shard, W of them per restore (a broadcast of all of a rank's shards at once, or an "
+    "all-gather, would make it one collective per rank); the simulator models each broadcast's "
+    "latency and bandwidth.",
+    "- **Timing hooks on `SaveSession`** (commit and retention durations and request counts): the "
+    "simulator subclasses `SaveSession` to time `commit` and `retain`.",
+]
