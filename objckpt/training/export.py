@@ -189,23 +189,19 @@ def export_safetensors(
             nothing is written.
         StoreError: the store could not be read (after the retry budget).
     """
-    store, owned = open_root(uri_or_store, store_options)
-    try:
-        plan = plan_export(
-            store,
-            step,
-            timeline,
-            entry=entry,
-            strip_prefix=strip_prefix,
-            add_prefix=add_prefix,
-            dtype=dtype,
-            rank=rank,
-            chunk_size=chunk_size,
-        )
-        return plan.write_safetensors(out, metadata=metadata, progress=progress)
-    finally:
-        if owned:
-            store.close()
+    return _export(
+        uri_or_store,
+        step,
+        timeline,
+        lambda plan: plan.write_safetensors(out, metadata=metadata, progress=progress),
+        store_options,
+        entry=entry,
+        strip_prefix=strip_prefix,
+        add_prefix=add_prefix,
+        dtype=dtype,
+        rank=rank,
+        chunk_size=chunk_size,
+    )
 
 
 def export_torch(
@@ -220,10 +216,28 @@ def export_torch(
     store_options = options.pop("store_options", None)
     metadata = options.pop("metadata", None)
     progress = options.pop("progress", None)
+    return _export(
+        uri_or_store,
+        step,
+        timeline,
+        lambda plan: plan.write_torch(out, metadata=metadata, progress=progress),
+        store_options,
+        **options,
+    )
+
+
+def _export(
+    uri_or_store: str | Store,
+    step: int | None,
+    timeline: int | None,
+    write: Callable[[ExportPlan], ExportResult],
+    store_options: Mapping[str, Any] | None,
+    **plan_options: Any,
+) -> ExportResult:
+    """Open the run root (closing it after if opened here), plan the export and ``write`` it."""
     store, owned = open_root(uri_or_store, store_options)
     try:
-        plan = plan_export(store, step, timeline, **options)
-        return plan.write_torch(out, metadata=metadata, progress=progress)
+        return write(plan_export(store, step, timeline, **plan_options))
     finally:
         if owned:
             store.close()
