@@ -103,13 +103,15 @@ if TYPE_CHECKING:  # at run time these come through __getattr__ below (no import
         Identity as Identity,
         IndexEntry as IndexEntry,
         Resolver as Resolver,
+        encode_chunked as encode_chunked,
+        index_entries as index_entries,
+        read_header as read_header,
+    )
+    from ._chunked_decode import (
         _check_entry as _check_entry,
         _Local as _Local,
         _plan_chunked as _plan_chunked,
         _Remote as _Remote,
-        encode_chunked as encode_chunked,
-        index_entries as index_entries,
-        read_header as read_header,
     )
     # isort: on
 
@@ -713,7 +715,7 @@ def decode_stream(
     header = _parse_header(take(header_len))
     pos = _PREFIX.size + header_len
     if header.get("version") == CHUNKED_FORMAT_VERSION:
-        from ._chunked import _chain_views, _decode_chunked  # it imports this module's primitives
+        from ._chunked_decode import _chain_views, _decode_chunked  # it imports this module's primitives
 
         rest = _chain_views(pending, it)
         return _decode_chunked(rest, pos, total_size, read_range, resolver, on_header)
@@ -804,19 +806,16 @@ _CHUNKED_NAMES = frozenset(
         "index_entries",
         "read_header",
         "_FOOTER",
-        "_Local",
-        "_Remote",
-        "_check_entry",
-        "_plan_chunked",
     )
 )
+_DECODE_NAMES = frozenset(("_Local", "_Remote", "_check_entry", "_plan_chunked"))
 
 
 def __getattr__(name: str) -> Any:
-    if name in _CHUNKED_NAMES:
-        from . import _chunked
+    if name in _CHUNKED_NAMES or name in _DECODE_NAMES:
+        from . import _chunked, _chunked_decode
 
-        value = getattr(_chunked, name)
+        value = getattr(_chunked if name in _CHUNKED_NAMES else _chunked_decode, name)
         globals()[name] = value  # later lookups are plain module attributes
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
