@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._crc import Crc32c, crc32c_of, encode_crc32c
-from ..errors import ChecksumMismatchError, SerializationError
+from ..errors import ChecksumMismatchError, ConfigError, SerializationError
 from ..manifest import ShardReceipt
 from . import serialization
 from .serialization import ViewRef
@@ -324,3 +324,34 @@ class _Router:
         for _, sink in self.active:
             sink.finish(self.key, self.location)
         self.active = []
+
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+}
+_CASTABLE = ("float64", "float32", "float16", "bfloat16")
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` -> ``torch.bfloat16``; None stays None.
+
+    Raises:
+        ConfigError: not a floating-point dtype safetensors can hold.
+    """
+    if value is None or isinstance(value, torch.dtype):
+        dt = value
+    else:
+        name = str(value).strip().lower().removeprefix("torch.")
+        name = _DTYPE_ALIASES.get(name, name)
+        dt = getattr(torch, name) if name in _CASTABLE else None
+    if dt is not None and (dt not in SAFETENSORS_DTYPES or not dt.is_floating_point):
+        dt = None
+    if value is not None and dt is None:
+        raise ConfigError(f"cannot cast to dtype {value!r}: use one of {', '.join(_CASTABLE)}")
+    return dt

@@ -83,6 +83,7 @@ from ._export_io import (
     _Tensor,
 )
 from ._export_io import _Piece as _Piece  # re-exported ("as"): tests build pieces by hand
+from ._export_io import parse_dtype as parse_dtype  # re-exported ("as"): importable from here
 from ._export_plan import _choose_entry, _plan_containers, _plan_dcp, _read_container
 from ._export_plan import _out_dtype as _out_dtype  # re-exported ("as"): tests call it
 
@@ -90,17 +91,6 @@ __all__ = ["ExportResult", "SAFETENSORS_DTYPES", "export", "export_safetensors",
 
 log = logging.getLogger("objckpt.training.export")
 
-
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float": "float32",
-    "fp64": "float64",
-    "double": "float64",
-}
-_CASTABLE = ("float64", "float32", "float16", "bfloat16")
 
 #: bytes per ranged GET of a DCP item, and the largest gap between two items read by one GET
 DEFAULT_CHUNK = 8 * 1024 * 1024
@@ -258,25 +248,6 @@ def export(
     if format == "torch":
         return export_torch(uri_or_store, out, step, timeline, **options)
     raise ConfigError(f"unknown export format {format!r}; use 'safetensors' or 'torch'")
-
-
-def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
-    """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` -> ``torch.bfloat16``; None stays None.
-
-    Raises:
-        ConfigError: not a floating-point dtype safetensors can hold.
-    """
-    if value is None or isinstance(value, torch.dtype):
-        dt = value
-    else:
-        name = str(value).strip().lower().removeprefix("torch.")
-        name = _DTYPE_ALIASES.get(name, name)
-        dt = getattr(torch, name) if name in _CASTABLE else None
-    if dt is not None and (dt not in SAFETENSORS_DTYPES or not dt.is_floating_point):
-        dt = None
-    if value is not None and dt is None:
-        raise ConfigError(f"cannot cast to dtype {value!r}: use one of {', '.join(_CASTABLE)}")
-    return dt
 
 
 class ExportPlan:
