@@ -67,15 +67,18 @@ def test_resolve_lists_nothing_outside_rank_zero_with_the_fixes(world_size: int)
 def test_key_spreading_puts_one_save_on_many_prefixes_and_partitions(world_size: int) -> None:
     assert scenario(world_size, False).key_prefixes == 1  # data/<step>-<attempt>/
     assert scenario(world_size, True).key_prefixes > 1
-    # 64 ranks x 8 shards in a fraction of a second against 300 writes/s per partition
+    # 64 ranks x 8 shards in about a second of virtual time against 30 writes/s per partition:
+    # the old layout offers ~10x that to one partition. (At 300 writes/s the margin was ~1.3x
+    # here, and one CI run drew no 503 at all; the cause was not reproduced, but the modelled
+    # times carry measured CPU and scheduling slack, which vary with a machine's load.)
     tight = StoreProfile.s3(
-        partition_limits=RateLimits(write_per_s=300, read_per_s=1000), initial_boundaries=spread_boundaries()
+        partition_limits=RateLimits(write_per_s=30, read_per_s=1000), initial_boundaries=spread_boundaries()
     )
     before = scenario(64, False, profile=tight, keep_last=None).saves[-1]
     after = scenario(64, True, profile=tight, keep_last=None).saves[-1]
     assert before.ok and after.ok
     assert before.slowdowns_by_phase.get("write", 0) > 0
-    assert before.hottest["offered_per_s"] > before.hottest["limit_per_s"]
+    assert before.hottest["offered_per_s"] > 3 * before.hottest["limit_per_s"]
     assert after.slowdowns_by_phase.get("write", 0) == 0
     assert after.requests_by_phase["write"] == {"put": 64 * 8}  # no retried try
 

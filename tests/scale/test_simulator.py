@@ -95,8 +95,10 @@ def test_every_rank_reads_the_whole_replicated_state_on_restore_today(world_size
 
 
 def test_slowdowns_are_injected_when_the_rate_is_exceeded_and_absorbed_by_retries() -> None:
-    # 64 ranks write 512 shards in a quarter of a second and stage 4,544 reads 8 at a time
-    tight = StoreProfile.s3(partition_limits=RateLimits(write_per_s=300, read_per_s=1000))
+    # 64 ranks write 512 shards in about a second and stage 4,544 reads 8 at a time, ~10x the
+    # limits (a margin that a loaded machine's scheduling slack does not erase; 300 writes/s
+    # left only ~1.4x)
+    tight = StoreProfile.s3(partition_limits=RateLimits(write_per_s=30, read_per_s=300))
     result = scenario(64, profile=tight, keep_last=None)
     saves, restore = result.saves, result.restore
     assert restore is not None
