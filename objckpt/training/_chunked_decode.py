@@ -66,8 +66,20 @@ class _Remote:
     crc: str
 
 
+#: the most elements an array may span, its zero dimensions aside (as if they were 1), times
+#: its item size: torch and numpy refuse a zero-size array whose other dimensions overflow
+#: int64 (TypeError/ValueError/RuntimeError, not a SerializationError), so a hostile header
+#: declaring ``[0, 10**30]`` is refused here first
+MAX_EXTENT_BYTES = 2**62
+
+
 def _check_entry(i: int, e: Any) -> tuple[str, Any, list[int], int]:
-    """Validate one array entry (kind, dtype, shape, nbytes); nothing is allocated."""
+    """Validate one array entry (kind, dtype, shape, nbytes); nothing is allocated. The one
+    check of an array-table entry, for every format's decoder and for export's planner.
+
+    Raises:
+        SerializationError: naming the entry and what is wrong with it.
+    """
     if not isinstance(e, dict):
         raise _fail(f"array {i}: entry is not an object")
     kind, dtype, shape, nbytes = e.get("kind"), e.get("dtype"), e.get("shape"), e.get("nbytes")
@@ -77,7 +89,7 @@ def _check_entry(i: int, e: Any) -> tuple[str, Any, list[int], int]:
         raise _fail(f"array {i}: bad shape {shape!r}")
     numel = math.prod(shape)
     if kind == "torch":
-        if dtype not in _TORCH_DTYPES:
+        if not isinstance(dtype, str) or dtype not in _TORCH_DTYPES:
             raise _fail(f"array {i}: dtype {dtype!r} is not allowed")
         dt: Any = _TORCH_DTYPES[dtype]
         itemsize = torch.empty((), dtype=dt).element_size()
@@ -92,6 +104,8 @@ def _check_entry(i: int, e: Any) -> tuple[str, Any, list[int], int]:
         raise _fail(f"array {i}: unknown kind {kind!r}")
     if numel * itemsize != nbytes:
         raise _fail(f"array {i}: {nbytes} bytes do not fit shape {shape} of {dtype}")
+    if math.prod(max(d, 1) for d in shape) * itemsize > MAX_EXTENT_BYTES:
+        raise _fail(f"array {i}: shape {shape} of {dtype} is beyond any array's extent")
     return kind, dt, shape, nbytes
 
 

@@ -21,7 +21,6 @@ import torch
 
 from .._crc import Buffer
 from .serialization import (
-    _NUMPY_DTYPE_RE,
     _PREFIX,
     _TORCH_DTYPES,
     ALIGN,
@@ -53,37 +52,17 @@ def _alloc_arrays(entries: Any, data_size: Any) -> list[Any]:
         raise _fail("bad array table")
     out: list[Any] = []
     end = 0
+    from ._chunked_decode import _check_entry  # that module imports this one's primitives
+
     for i, e in enumerate(entries):
-        if not isinstance(e, dict):
-            raise _fail(f"array {i}: entry is not an object")
-        kind, dtype, shape = e.get("kind"), e.get("dtype"), e.get("shape")
-        offset, nbytes = e.get("offset"), e.get("nbytes")
-        if not (_is_int(offset) and _is_int(nbytes) and offset >= end and nbytes >= 0):
-            raise _fail(f"array {i}: bad or overlapping offset/nbytes ({offset!r}, {nbytes!r})")
-        if offset % ALIGN or offset + nbytes > data_size:
-            raise _fail(f"array {i}: bytes [{offset}, {offset}+{nbytes}) lie outside the data")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape) or len(shape) > 64:
-            raise _fail(f"array {i}: bad shape {shape!r}")
-        numel = math.prod(shape)
-        if kind == "torch":
-            if dtype not in _TORCH_DTYPES:
-                raise _fail(f"array {i}: dtype {dtype!r} is not allowed")
-            td = _TORCH_DTYPES[dtype]
-            itemsize = torch.empty((), dtype=td).element_size()
-            if numel * itemsize != nbytes:
-                raise _fail(f"array {i}: {nbytes} bytes do not fit shape {shape} of {dtype}")
-            out.append(torch.empty(shape, dtype=td))
-        elif kind == "numpy":
-            if np is None:
-                raise _fail(f"array {i}: numpy arrays need numpy installed")
-            if not isinstance(dtype, str) or not _NUMPY_DTYPE_RE.match(dtype):
-                raise _fail(f"array {i}: numpy dtype {dtype!r} is not allowed")
-            nd = np.dtype(dtype)
-            if numel * nd.itemsize != nbytes:
-                raise _fail(f"array {i}: {nbytes} bytes do not fit shape {shape} of {dtype}")
-            out.append(np.empty(shape, dtype=nd))
-        else:
-            raise _fail(f"array {i}: unknown kind {kind!r}")
+        if isinstance(e, dict):
+            offset, nbytes = e.get("offset"), e.get("nbytes")
+            if not (_is_int(offset) and _is_int(nbytes) and offset >= end and nbytes >= 0):
+                raise _fail(f"array {i}: bad or overlapping offset/nbytes ({offset!r}, {nbytes!r})")
+            if offset % ALIGN or offset + nbytes > data_size:
+                raise _fail(f"array {i}: bytes [{offset}, {offset}+{nbytes}) lie outside the data")
+        kind, dt, shape, nbytes = _check_entry(i, e)
+        out.append(torch.empty(shape, dtype=dt) if kind == "torch" else np.empty(shape, dtype=dt))
         end = offset + nbytes
     return out
 
@@ -168,7 +147,7 @@ class _Decoder:
             except ValueError:
                 raise _fail("'b' node is not base64") from None
         if tag == "dt":
-            if v not in _TORCH_DTYPES:
+            if not isinstance(v, str) or v not in _TORCH_DTYPES:
                 raise _fail(f"dtype {v!r} is not allowed")
             return _TORCH_DTYPES[v]
         if tag == "dev":
@@ -188,16 +167,23 @@ class _Decoder:
 
 
 def _view_ref(v: Any) -> ViewRef:
+    from ._chunked_decode import MAX_EXTENT_BYTES  # that module imports this one's primitives
+
     if not isinstance(v, list) or len(v) != 5:
         raise _fail(f"bad view node {str(v)[:80]!r}")
     index, dtype, shape, stride, offset = v
 
     def ints(xs: Any) -> bool:
-        return isinstance(xs, list) and len(xs) <= 64 and all(_is_int(x) and x >= 0 for x in xs)
+        return (
+            isinstance(xs, list)
+            and len(xs) <= 64
+            and all(_is_int(x) and 0 <= x <= MAX_EXTENT_BYTES for x in xs)
+            and math.prod(max(x, 1) for x in xs) <= MAX_EXTENT_BYTES
+        )
 
     if not (_is_int(index) and index >= 0 and _is_int(offset) and offset >= 0):
         raise _fail(f"bad view node {str(v)[:80]!r}")
-    if dtype not in _TORCH_DTYPES:
+    if not isinstance(dtype, str) or dtype not in _TORCH_DTYPES:
         raise _fail(f"view dtype {dtype!r} is not allowed")
     if not (ints(shape) and ints(stride) and len(shape) == len(stride)):
         raise _fail(f"bad view shape/stride {shape!r}/{stride!r}")
