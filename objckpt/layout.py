@@ -137,7 +137,12 @@ def spread_of(rank: int) -> str:
     in key order (no hot key range), and every save uses the same prefixes -- their partitions
     stay split between saves, and GC, verification and every other count is the same for every
     save, whatever the history (flat, deterministic)."""
-    return f"{_check_rank(rank) * _SPREAD_STRIDE % 16**SPREAD_DIGITS:0{SPREAD_DIGITS}x}"
+    return _spread_digits(_check_rank(rank))
+
+
+def _spread_digits(rank: int) -> str:
+    # unchecked: callers have validated ``rank``
+    return f"{rank * _SPREAD_STRIDE % 16**SPREAD_DIGITS:0{SPREAD_DIGITS}x}"
 
 
 def spread_prefix(spread: str) -> str:
@@ -197,13 +202,13 @@ def shard_key(step: int, attempt: str, rank: int, name: str, *, spread: bool = F
     ``name`` may contain ``/`` but no empty, ``.`` or ``..`` segments and only
     ``[A-Za-z0-9._-]`` characters, so keys are portable across S3, GCS and file systems.
     """
-    if (
-        not isinstance(name, str)
-        or not _NAME_RE.match(name)
-        or any(seg in (".", "..") for seg in name.split("/"))
-    ):
+    return rank_prefix(step, attempt, rank, spread=spread) + _check_name(name)
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name) or _has_dot_segment(f"/{name}/"):
         raise ValueError(f"invalid shard name {name!r}: use [A-Za-z0-9._-] segments joined by '/'")
-    return rank_prefix(step, attempt, rank, spread=spread) + name
+    return name
 
 
 _SHARD_RE = re.compile(r"^data/(?:([0-9a-f]{2})/)?(\d{20})-([0-9a-f]{16})/(\d{5})/(.+)\Z", re.ASCII)
@@ -222,11 +227,15 @@ def parse_shard_key(key: str) -> tuple[int, str, int, str] | None:
 
 
 def is_shard_key_of(key: str, step: int, attempt: str, rank: int, name: str) -> bool:
-    """Is ``key`` the key of shard ``name`` of ``rank`` in this attempt, in either layout?"""
-    plain = shard_key(step, attempt, rank, name)  # validates every part
-    if key == plain:
-        return True
-    return key == f"{DATA_PREFIX}{spread_of(rank)}/{plain[len(DATA_PREFIX) :]}"
+    """Is ``key`` the key of shard ``name`` of ``rank`` in this attempt, in either layout?
+
+    Raises:
+        ValueError: an invalid step, attempt id, rank or name.
+    """
+    # the keys shard_key() makes, built here without its per-part calls: a manifest decode
+    # asks this once per shard (tens of thousands of times at scale)
+    tail = f"{check_step(step):020d}-{check_attempt_id(attempt)}/{_check_rank(rank):05d}/{_check_name(name)}"
+    return key == DATA_PREFIX + tail or key == f"{DATA_PREFIX}{_spread_digits(rank)}/{tail}"
 
 
 def attempt_prefix_of(key: str) -> str | None:
@@ -243,6 +252,12 @@ def attempt_prefix_of(key: str) -> str | None:
     return attempt_prefix(parsed[0], parsed[1], spread)
 
 
+def _has_dot_segment(slashed: str) -> bool:
+    """Does ``/<path>/`` have a ``.`` or ``..`` segment? (Substring tests: a manifest decode
+    checks every shard's key and name, tens of thousands of times at scale.)"""
+    return "/./" in slashed or "/../" in slashed
+
+
 def validate_key_in_root(key: str) -> str:
     """Reject keys that could escape the run root: absolute, ``..``, schemes, backslashes.
 
@@ -256,7 +271,8 @@ def validate_key_in_root(key: str) -> str:
         or "\\" in key
         or "://" in key
         or "\x00" in key
-        or any(seg in ("", ".", "..") for seg in key.split("/"))
+        or "//" in f"/{key}/"  # an empty segment (also a leading or trailing "/")
+        or _has_dot_segment(f"/{key}/")
     ):
         raise ManifestError(f"key {key!r} is not a plain key inside the run root", key=str(key))
     return key

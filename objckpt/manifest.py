@@ -20,7 +20,7 @@ import json
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from . import layout
 from ._crc import decode_crc32c
@@ -560,26 +560,17 @@ class Manifest:
                 receipt = ShardReceipt._from_dict(raw)
             except (Invalid, ValueError) as exc:
                 raise Invalid(f"shard #{i}: {exc}") from None
-            # validate_key_in_root raises ManifestError naming the key
-            layout.validate_key_in_root(receipt.key)
-            # either layout (layout.py): with or without the spreading prefix
-            parsed = layout.parse_shard_key(receipt.key)
-            if parsed is None or parsed[:2] != (step, attempt):
-                raise Invalid(
-                    f"shard key {receipt.key!r} lies outside this manifest's attempt prefix "
-                    f"{layout.attempt_prefix(step, attempt)!r} (or a spread one)"
-                )
-            if receipt.rank >= world_size:
-                raise Invalid(f"shard {receipt.key!r} has rank {receipt.rank} >= world_size {world_size}")
+            # (the receipt has checked that its key is a plain key inside the run root)
             try:
                 own = layout.is_shard_key_of(receipt.key, step, attempt, receipt.rank, receipt.name)
             except ValueError as exc:
-                raise Invalid(f"shard {receipt.key!r}: {exc}") from None
+                own, bad_part = False, exc
+            else:
+                bad_part = None
             if not own:
-                raise Invalid(
-                    f"shard key {receipt.key!r} is not rank {receipt.rank}'s key for {receipt.name!r} "
-                    f"({layout.shard_key(step, attempt, receipt.rank, receipt.name)!r} or its spread form)"
-                )
+                _refuse_shard_key(receipt, step, attempt, world_size, bad_part)
+            if receipt.rank >= world_size:
+                raise Invalid(f"shard {receipt.key!r} has rank {receipt.rank} >= world_size {world_size}")
             if receipt.key in seen:
                 raise Invalid(f"shard key {receipt.key!r} is listed twice")
             seen.add(receipt.key)
@@ -601,6 +592,27 @@ class Manifest:
             references=_references(obj.get("references", []), (timeline, step), (step, attempt)),
             format_version=version,
         )
+
+
+def _refuse_shard_key(
+    receipt: ShardReceipt, step: int, attempt: str, world_size: int, bad_part: ValueError | None
+) -> NoReturn:
+    """Why ``receipt``'s key is not its own shard key in this attempt (either layout, with or
+    without the spreading prefix), checked in the order the reasons are reported."""
+    parsed = layout.parse_shard_key(receipt.key)
+    if parsed is None or parsed[:2] != (step, attempt):
+        raise Invalid(
+            f"shard key {receipt.key!r} lies outside this manifest's attempt prefix "
+            f"{layout.attempt_prefix(step, attempt)!r} (or a spread one)"
+        )
+    if receipt.rank >= world_size:
+        raise Invalid(f"shard {receipt.key!r} has rank {receipt.rank} >= world_size {world_size}")
+    if bad_part is not None:
+        raise Invalid(f"shard {receipt.key!r}: {bad_part}")
+    raise Invalid(
+        f"shard key {receipt.key!r} is not rank {receipt.rank}'s key for {receipt.name!r} "
+        f"({layout.shard_key(step, attempt, receipt.rank, receipt.name)!r} or its spread form)"
+    )
 
 
 def _parent(value: Any, version: int, timeline: int, step: int) -> tuple[int | None, int | None]:
