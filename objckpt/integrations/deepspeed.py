@@ -34,6 +34,9 @@ because DeepSpeed finds its files by ``glob``/``os.path.exists`` before it calls
 ``load`` then streams the shard from the store, verifies its size and CRC32C and unpickles it with
 ``torch.load(weights_only=True)`` allowing only tensors, containers and DeepSpeed's own state
 classes (:data:`SAFE_GLOBALS`).
+
+How DeepSpeed's tags and local paths map onto steps and shard names is in
+:mod:`._deepspeed_files` (its public names are importable from here).
 """
 
 from __future__ import annotations
@@ -66,6 +69,15 @@ from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store import Store
 from . import _common
+from ._deepspeed_files import (
+    SAFE_GLOBALS,
+    _resolve_globals,
+    _shard_name,
+    _split_path,
+    _tag_of,
+    _write_atomic,
+    step_from_tag,
+)
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine as _Base
@@ -75,46 +87,6 @@ except ImportError:  # pragma: no cover - the engine logic still works (and is u
 __all__ = ["SAFE_GLOBALS", "ObjckptCheckpointEngine", "load_checkpoint", "step_from_tag"]
 
 log = logging.getLogger("objckpt.integrations.deepspeed")
-
-#: DeepSpeed classes found inside ZeRO-1/2 checkpoints (DeepSpeed 0.19): loss scaler, the ZeRO
-#: stage enum, and the fragment addresses of ``param_slice_mappings``
-SAFE_GLOBALS = (
-    "deepspeed.runtime.fp16.loss_scaler:LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
-    "deepspeed.runtime.zero.config:ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment:fragment_address",
-)
-
-
-def step_from_tag(tag: str) -> int:
-    """The trailing integer of a DeepSpeed tag: ``global_step20`` -> 20, ``"7"`` -> 7."""
-    digits = ""
-    for ch in reversed(str(tag)):
-        if not ch.isdigit():
-            break
-        digits = ch + digits
-    if not digits:
-        raise ValueError(
-            f"cannot tell the step of DeepSpeed tag {tag!r}: it does not end in an integer "
-            "(use the default tag global_stepN, or pass step_of_tag=)"
-        )
-    return layout.check_step(int(digits))
-
-
-def _resolve_globals(names: Iterable[Any]) -> list[Any]:
-    import importlib
-
-    out = []
-    for item in names:
-        if not isinstance(item, str):
-            out.append(item)
-            continue
-        module, _, attr = item.partition(":")
-        try:
-            out.append(getattr(importlib.import_module(module), attr))
-        except (ImportError, AttributeError):
-            log.debug("safe global %s not available in this DeepSpeed", item)
-    return out
 
 
 @dataclass
@@ -277,7 +249,7 @@ class ObjckptCheckpointEngine(_Base):  # type: ignore[misc]
                 "calls them around every save"
             )
         try:
-            name = _shard_name(p, path)
+            name = _shard_name(p.save_dir, p.tag, path)
             layout.shard_key(p.step, p.ticket.attempt, 0, name)  # a portable name, or ValueError
             spool = _common.torch_save_spooled(state_dict, spool_bytes=self.spool_bytes)
         except Exception as exc:  # noqa: BLE001 - reported at commit
@@ -496,46 +468,3 @@ def _decide_loaded(reports: list[dict[str, Any]]) -> str:
 
 def _common_report(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-# ---------------------------------------------------------------------------------- helpers
-
-
-def _shard_name(p: _Save, path: str) -> str:
-    folder = os.path.abspath(os.path.join(p.save_dir, p.tag))
-    target = os.path.abspath(os.fspath(path))
-    if os.path.commonpath([folder, target]) != folder or target == folder:
-        raise ValueError(
-            f"{path} lies outside the checkpoint folder {folder}; ObjckptCheckpointEngine commits "
-            "only files of save_dir/tag (for save_16bit_model exports use DeepSpeed's "
-            "TorchCheckpointEngine)"
-        )
-    return os.path.relpath(target, folder).replace(os.sep, "/")
-
-
-def _split_path(path: str, known: Mapping[str, Manifest]) -> tuple[str, str]:
-    """``.../<tag>/<name>`` -> ``(tag, name)``; ``name`` may have folders when a known tag is
-    further up the path."""
-    parts = os.path.normpath(os.fspath(path)).split(os.sep)
-    for i in range(len(parts) - 2, -1, -1):
-        if parts[i] in known:
-            return parts[i], "/".join(parts[i + 1 :])
-    if len(parts) < 2:
-        raise FileNotFoundError(f"{path}: not a <tag>/<file> path")
-    return parts[-2], parts[-1]
-
-
-def _tag_of(manifest: Manifest) -> str:
-    info = manifest.metadata.get("deepspeed")
-    if not isinstance(info, dict) or not isinstance(info.get("tag"), str):
-        raise NoCheckpointError(f"step {manifest.step} ({manifest.key}) is not a DeepSpeed checkpoint")
-    tag: str = info["tag"]
-    return tag
-
-
-def _write_atomic(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)

@@ -8,10 +8,10 @@ hash, reuse or compress it (:class:`ChunkOptions`).
 
 Separate from :mod:`.serialization` because it is a second encoder and decoder with its own
 framing, planning and concurrency (a hashing pool on write, coalesced ranged reads on restore),
-while versions 1 and 2 stay a plain prefix-header stream; both share the tree encoding, the dtype
-allow-list and the header checks, imported from :mod:`.serialization`. Every name here is also
-importable from :mod:`.serialization` (its ``__getattr__``), the module callers use;
-:func:`.serialization.decode_stream` hands a version-3 stream to
+while versions 1 and 2 stay a plain prefix-header stream; both share the tree encoding (from
+:mod:`._state_encode`), the dtype allow-list and the header checks (from :mod:`.serialization`).
+Every name here is also importable from :mod:`.serialization` (its ``__getattr__``), the module
+callers use; :func:`.serialization.decode_stream` hands a version-3 stream to
 :func:`._chunked_decode._decode_chunked` (the decoder, in a module of its own for length).
 """
 
@@ -29,15 +29,13 @@ from typing import Any
 
 from .._crc import crc32c_b64, crc32c_of
 from ..errors import ChecksumMismatchError, SerializationError
+from ._state_encode import _Array, _bytes_view, _Encoder
 from .serialization import (
     _PREFIX,
     CHUNKED_FORMAT_VERSION,
     FORMAT_NAME,
     MAGIC,
     MAX_HEADER_BYTES,
-    _Array,
-    _bytes_view,
-    _Encoder,
     _fail,
     _is_int,
     _parse_header,
