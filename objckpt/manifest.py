@@ -561,12 +561,11 @@ class Manifest:
             except (Invalid, ValueError) as exc:
                 raise Invalid(f"shard #{i}: {exc}") from None
             # (the receipt has checked that its key is a plain key inside the run root)
+            bad_part: ValueError | None = None
             try:
                 own = layout.is_shard_key_of(receipt.key, step, attempt, receipt.rank, receipt.name)
             except ValueError as exc:
                 own, bad_part = False, exc
-            else:
-                bad_part = None
             if not own:
                 _refuse_shard_key(receipt, step, attempt, world_size, bad_part)
             if receipt.rank >= world_size:

@@ -55,13 +55,12 @@ def _alloc_arrays(entries: Any, data_size: Any) -> list[Any]:
     from ._chunked_decode import _check_entry  # that module imports this one's primitives
 
     for i, e in enumerate(entries):
-        if isinstance(e, dict):
-            offset, nbytes = e.get("offset"), e.get("nbytes")
-            if not (_is_int(offset) and _is_int(nbytes) and offset >= end and nbytes >= 0):
-                raise _fail(f"array {i}: bad or overlapping offset/nbytes ({offset!r}, {nbytes!r})")
-            if offset % ALIGN or offset + nbytes > data_size:
-                raise _fail(f"array {i}: bytes [{offset}, {offset}+{nbytes}) lie outside the data")
         kind, dt, shape, nbytes = _check_entry(i, e)
+        offset = e.get("offset")
+        if not (_is_int(offset) and offset >= end):
+            raise _fail(f"array {i}: bad or overlapping offset/nbytes ({offset!r}, {nbytes!r})")
+        if offset % ALIGN or offset + nbytes > data_size:
+            raise _fail(f"array {i}: bytes [{offset}, {offset}+{nbytes}) lie outside the data")
         out.append(torch.empty(shape, dtype=dt) if kind == "torch" else np.empty(shape, dtype=dt))
         end = offset + nbytes
     return out
