@@ -31,8 +31,7 @@ SIMULATOR = [
     "the sessions still see N ranks and the coordinator verifies N ranks' receipts, every rank's I/O runs "
     "on its own thread and timeline, but a thread's other ranks contribute its first rank's values to "
     "the handshake and staging verdicts (their own receipts, and listings, to the commit). Every rank "
-    "parses the manifest it receives (`Manifest.decode`, and on save a `json.loads` of the body for its "
-    "timeline): the real parse runs once per distinct bytes object and every rank's clock is charged "
+    "parses the manifest it receives (`Manifest.decode`): the real parse runs once per distinct bytes object and every rank's clock is charged "
     "its measured CPU (W real parses of a manifest that grows with W are O(W^2) here).",
     "",
     "**Virtual clock**: a request costs its latency plus its bytes at the connection's and the host "
@@ -87,9 +86,6 @@ HOOKS = [
     "SlowDown (and one Pacer per store object would be shared by every simulated rank). A Pacer that "
     "takes the in-flight count and a clock from its caller, or a limit a caller can read to size its "
     "own concurrency (as `shards.stage`'s pool could), would let the simulator drive the real one.",
-    "- **One manifest parse per rank**: `SaveSession.finish` `json.loads` the whole manifest body to "
-    "learn its timeline (`_manifest_key_of`) and then `Manifest.decode` parses it again; the timeline "
-    "could come with the commit outcome broadcast. The simulator memoizes both per bytes object.",
     "- **A byte path on `Comm` without per-shard collectives**: `read_shared` makes one broadcast per "
     "replicated shard, W of them per restore (a broadcast of all of a rank's shards at once, or an "
     "all-gather, would make it one collective per rank); the simulator models each broadcast's "

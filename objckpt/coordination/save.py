@@ -108,20 +108,6 @@ class SaveTicket:
         return sum(r.size for r in self.receipts)
 
 
-def _manifest_key_of(body: bytes, step: int) -> str:
-    """The key a manifest received from rank 0 must have been committed at (its own timeline
-    and ``step``); decoding then checks the rest."""
-    import json
-
-    try:
-        timeline = json.loads(body).get("timeline", 0)
-    except ValueError:
-        timeline = 0
-    return layout.manifest_key(
-        step, timeline if isinstance(timeline, int) and not isinstance(timeline, bool) else 0
-    )
-
-
 def _listed(d: Any) -> ObjectMeta:
     """One entry of a rank's listing of its prefix (``verify="ranks"``)."""
     crc = d["crc32c"]
@@ -374,7 +360,9 @@ class SaveSession:
                     metadata=metadata,
                 )
                 body = manifest.encode()
-                outcome = {"ok": True}
+                # its timeline tells every rank the key to decode the body against, so no rank
+                # parses a (W-shard) manifest twice
+                outcome = {"ok": True, "timeline": manifest.timeline}
             except Exception as exc:  # noqa: BLE001 - broadcast and raised on every rank
                 outcome = {"error": encode_error(exc)}
         outcome = comm.broadcast(outcome, f"{what} outcome")
@@ -384,7 +372,7 @@ class SaveSession:
                 self.metrics.record_failure(step, attempt, error, phase="commit")
             raise error
         body = comm.broadcast_bytes(body if comm.rank == 0 else None, f"{what} manifest")
-        manifest = Manifest.decode(body, key=_manifest_key_of(body, step))
+        manifest = Manifest.decode(body, key=layout.manifest_key(step, outcome["timeline"]))
         lineage.record(self.store, lineage.Position(manifest, manifest.timeline))
         if self.metrics is not None:
             now = time.monotonic()

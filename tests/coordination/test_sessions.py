@@ -81,6 +81,26 @@ def test_every_rank_returns_the_same_committed_manifest(world_size: int) -> None
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
+def test_each_rank_parses_the_committed_manifest_once(world_size: int, monkeypatch: Any) -> None:
+    # at 4,096 ranks the manifest is megabytes: a second parse per rank (once to learn its key,
+    # once to decode it) doubled the commit's CPU on every rank
+    import json
+
+    real_loads = json.loads
+    parsed: list[int] = []
+
+    def counting_loads(s: Any, *args: Any, **kwargs: Any) -> Any:
+        text = s.decode() if isinstance(s, (bytes, bytearray)) else s
+        if isinstance(text, str) and '"format":"objckpt.manifest"' in text:
+            parsed.append(len(text))
+        return real_loads(s, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counting_loads)
+    _save(memory_store(), ThreadWorld(world_size), 10)
+    assert len(parsed) == world_size  # one Manifest.decode of the broadcast body per rank
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
 def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_naming_it(world_size: int) -> None:
     store = memory_store()
     _save(store, ThreadWorld(world_size), 10)

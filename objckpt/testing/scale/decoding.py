@@ -1,9 +1,8 @@
 """Every rank parsing the manifest it received: charged to each rank, computed once if asked.
 
 After a commit (and on restore) every rank receives the very same manifest bytes from rank 0 and
-parses them: ``Manifest.decode`` (schema, self-checksum, every receipt), and on save first
-``coordination.save._manifest_key_of`` (a ``json.loads`` of the whole body to learn its
-timeline). In a real job each rank does that once, in parallel with the others; in the simulator
+parses them: ``Manifest.decode`` (schema, self-checksum, every receipt; the key to check it
+against comes with the commit outcome). In a real job each rank does that once, in parallel with the others; in the simulator
 the ranks share two cores, so W parses of a manifest that itself grows with W cost O(W^2) real
 time (4,096 ranks x a 5 MB manifest: minutes per save). With ``memoize`` the real function runs
 once per distinct bytes object (and arguments) and every later caller gets the same result;
@@ -15,7 +14,6 @@ check that both give the same counts).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -86,18 +84,12 @@ def _charged(fn: Callable[..., Any], memoize: bool) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def charged_parsing(memoize: bool) -> Iterator[None]:
-    """For the block: ``Manifest.decode`` and ``coordination.save._manifest_key_of`` are charged
-    (and optionally memoized) as the module doc says."""
+    """For the block: ``Manifest.decode`` is charged (and optionally memoized) as the module
+    doc says."""
     original_decode = Manifest.__dict__["decode"]
     decode = _charged(lambda data, **kw: original_decode.__func__(Manifest, data, **kw), memoize)
-    save = importlib.import_module("objckpt.coordination.save")
-    original_key_of = getattr(save, "_manifest_key_of", None)
     Manifest.decode = classmethod(lambda cls, data, **kw: decode(data, **kw))  # type: ignore[method-assign, assignment]
-    if original_key_of is not None:
-        setattr(save, "_manifest_key_of", _charged(original_key_of, memoize))  # noqa: B010
     try:
         yield
     finally:
         Manifest.decode = original_decode  # type: ignore[method-assign]
-        if original_key_of is not None:
-            setattr(save, "_manifest_key_of", original_key_of)  # noqa: B010

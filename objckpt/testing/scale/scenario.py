@@ -24,9 +24,8 @@ CPU time (``time.thread_time``) of the coordinator's ``commit`` call and of ever
 (JSON of the collectives, the adapter, the store wrapper's bookkeeping) is not charged.
 
 ``memoize_manifest_decode``: every rank receives the same manifest bytes; with this option the
-real ``Manifest.decode`` (and the save session's ``json.loads`` of the body for its timeline) runs
-once per distinct bytes object and every rank after the first gets the same result, its virtual
-clock still charged the measured time (:mod:`.decoding`). Off, every rank parses for real.
+real ``Manifest.decode`` runs once per distinct bytes object and every rank after the first gets
+the same result, its virtual clock still charged the measured time (:mod:`.decoding`). Off, every rank parses for real.
 """
 
 from __future__ import annotations
