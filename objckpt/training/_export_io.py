@@ -5,13 +5,15 @@ output file; bytes of a shard copied into it, with their run layout, cast, check
 shard and the pieces it feeds). :class:`_Router` hands each chunk read from a shard to the pieces
 it overlaps, each :class:`_Sink` turns a piece's bytes into positioned writes (casting whole
 elements, checking the piece's CRC32C, decoding a compressed chunk, gathering a non-contiguous
-view from its base with :class:`_Gather`), and ``_pwrite_all``/``_temp_path``/``_remove`` write the
-file under a temporary name. ``SAFETENSORS_DTYPES`` is the output format's dtype table.
+view from its base with :class:`_Gather`), :func:`_copy_source` reads a source from the store
+(streamed whole, or by coalesced ranged GETs) into its router, and
+``_pwrite_all``/``_temp_path``/``_remove`` write the file under a temporary name.
+``SAFETENSORS_DTYPES`` is the output format's dtype table.
 
 Separate from :mod:`.export` (the public API, :class:`~.export.ExportPlan` and
-:func:`~.export.plan_export`) and :mod:`._export_plan` (reading the checkpoint's metadata into
+:func:`~.export.plan_export`) and :mod:`._export_plan` / :mod:`._export_dcp` (reading the metadata into
 pieces) because this is the byte-level machinery: it knows nothing of manifests or layouts, only of
-pieces, streams and file offsets.
+pieces, the store's byte streams and file offsets.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .._crc import Crc32c, crc32c_of, encode_crc32c
-from ..errors import ChecksumMismatchError, ConfigError, SerializationError
+from ..errors import ChecksumMismatchError, ConfigError, NotFoundError, SerializationError
 from ..manifest import ShardReceipt
+from ..reader import Reader
+from ..store import Store
 from . import serialization
 from .serialization import ViewRef
 
@@ -324,6 +328,81 @@ class _Router:
         for _, sink in self.active:
             sink.finish(self.key, self.location)
         self.active = []
+
+
+#: the largest gap between two pieces of a ranged source read by one GET
+_COALESCE_GAP = 256 * 1024
+
+
+def _copy_source(
+    store: Store,
+    source: _Source,
+    write: Callable[[int, memoryview], None],
+    progress: Callable[[int], None] | None,
+    chunk_size: int,
+    label: str,
+) -> None:
+    """Read one source of the export (of checkpoint ``label``) from ``store`` and route its bytes
+    to the pieces they land in: a whole shard streamed through ``Reader.open_shard`` (size and
+    CRC32C of the object checked at its end; the container header and trailer read at planning
+    must equal the verified stream's), or ranged GETs of ``chunk_size`` bytes at most (each piece
+    then checks its own CRC32C).
+
+    Raises:
+        ChecksumMismatchError: the header changed since planning, a shard is missing or
+            truncated, or bytes fail their checksum.
+        StoreError: the store could not be read (after the retry budget).
+    """
+    router = _Router(source, write, store.location)
+    key = source.receipt.key
+    if source.whole:
+        reader = Reader(store)
+        pos = 0
+        head = bytearray()
+        tail = bytearray()
+        for chunk in reader.open_shard(source.receipt):
+            view = memoryview(chunk).cast("B")
+            if progress is not None:
+                progress(view.nbytes)
+            if len(head) < len(source.header):
+                take = min(len(source.header) - len(head), view.nbytes)
+                head += view[:take]
+                if len(head) == len(source.header) and bytes(head) != source.header:
+                    raise ChecksumMismatchError(
+                        "the container header changed between the planning read and the verified stream",
+                        key=key,
+                        location=store.location,
+                    )
+            if source.trailer and pos + view.nbytes > source.trailer_at:
+                tail += view[max(0, source.trailer_at - pos) :]
+            router.feed(pos, view)
+            pos += view.nbytes
+        if source.trailer and bytes(tail) != source.trailer:
+            raise ChecksumMismatchError(
+                "the container header changed between the planning read and the verified stream",
+                key=key,
+                location=store.location,
+            )
+    else:
+        for a, b in source.spans(_COALESCE_GAP, chunk_size):
+            try:
+                data = store.get(key, byte_range=(a, b))
+            except NotFoundError as exc:
+                raise ChecksumMismatchError(
+                    f"a shard of committed step {label} is missing: {exc}",
+                    key=key,
+                    location=store.location,
+                ) from exc
+            if len(data) != b - a:
+                raise ChecksumMismatchError(
+                    f"ranged read [{a}, {b}) returned {len(data)} bytes (shard truncated?)",
+                    key=key,
+                    location=store.location,
+                )
+            if progress is not None:
+                progress(len(data))
+            router.feed(a, memoryview(data).cast("B"))
+    router.finish()
 
 
 _DTYPE_ALIASES = {

@@ -1,17 +1,18 @@
-"""Planning an export: a checkpoint's metadata turned into the tensors and pieces of the file.
+"""Planning the export of a container checkpoint (CheckpointManager, Lightning): the shards'
+metadata turned into the tensors and pieces of the file.
 
-For each layout :func:`.export.plan_export` reads: the container headers of CheckpointManager and
-Lightning shards (:func:`_read_container`, by ranged reads; a version-3 shard's chunks checked
-against the receipts with :func:`_read_chunked_container`), stood in for by meta tensors so that
-nothing is allocated, then flattened and renamed (:func:`_plan_containers`,
-:func:`_plan_chunked_tensor` for deduplicated chunks here or in an ancestor's object); and DCP's
-metadata shard (:func:`_plan_dcp`), each tensor assembled from the saving ranks' chunks, which must
-tile it exactly (:func:`_check_cover`).
+:func:`_plan_manager` and :func:`_plan_lightning` read, for their layout, the container headers
+(:func:`_read_container`, by ranged reads; a version-3 shard's chunks checked against the receipts
+with :func:`_read_chunked_container`), stood in for by meta tensors so that nothing is allocated,
+then flattened and renamed (:func:`_plan_containers`, :func:`_plan_chunked_tensor` for
+deduplicated chunks here or in an ancestor's object). The naming helpers (:func:`_choose_entry`,
+:func:`_rename`, :func:`_out_dtype`) serve DCP's planning too (:mod:`._export_dcp`).
 
 Separate from :mod:`.export` (the public API, :class:`~.export.ExportPlan`, and
-:func:`~.export.plan_export`, which picks the layout and calls these) and from :mod:`._export_io`
-(the byte routing and writing): these helpers only read metadata and produce
-:class:`~._export_io._Tensor` / :class:`~._export_io._Piece` / :class:`~._export_io._Source` lists.
+:func:`~.export.plan_export`, which picks the layout and calls these), from :mod:`._export_dcp`
+(DCP's metadata shard, a different layout to read) and from :mod:`._export_io` (the byte routing
+and writing): these helpers only read metadata and produce :class:`~._export_io._Tensor` /
+:class:`~._export_io._Piece` / :class:`~._export_io._Source` lists.
 """
 
 from __future__ import annotations
@@ -391,131 +392,86 @@ def _plan_chunked_tensor(
     return t
 
 
-def _plan_dcp(
+# ------------------------------------------------------------------------- the container layouts
+
+
+def _plan_manager(
     store: Store,
-    reader: Reader,
+    manifest: Manifest,
+    entry: str | None,
+    rank: int,
+    cast: torch.dtype | None,
+    strip_prefix: str | None,
+    add_prefix: str | None,
+    resolver: serialization.Resolver | None,
+) -> tuple[list[_Tensor], list[_Source], list[str], str]:
+    """A CheckpointManager checkpoint's entry: a replicated one joined from every rank's
+    ``replicated.bin`` (the structure from the skeleton, the tensors from each rank's table), a
+    per-rank one from ``rank``'s ``rank.bin``. Returns the tensors, sources, skipped names and the
+    entry chosen; reads only the container headers."""
+    from .shards import RANK_SHARD, REPLICATED_SHARD
+
+    topo = manifest.topology
+    replicated = list(topo.get("replicated", []))
+    per_rank = list(topo.get("per_rank", []))
+    entry = _choose_entry(entry, replicated + per_rank, "model", manifest, store)
+    if entry in replicated:
+        receipts = sorted((s for s in manifest.shards if s.name == REPLICATED_SHARD), key=lambda s: s.rank)
+        containers = [_read_container(store, r, resolver) for r in receipts]
+        for c in containers:
+            if not isinstance(c.tree, Mapping):
+                raise ManifestError(f"{c.receipt.key}: not a replicated shard", key=c.receipt.key)
+        skeleton = next((c.tree.get("skeleton") for c in containers if "skeleton" in c.tree), None)
+        if not isinstance(skeleton, Mapping) or entry not in skeleton:
+            raise ManifestError(
+                f"step {manifest.label}: no replicated shard holds the structure of {entry!r}",
+                key=manifest.key,
+            )
+        table: dict[int, Any] = {}
+        for c in containers:
+            index, tensors = c.tree.get("index"), c.tree.get("tensors")
+            if not isinstance(index, list) or not isinstance(tensors, list) or len(index) != len(tensors):
+                raise ManifestError(f"{c.receipt.key}: malformed replicated tensor table", key=c.receipt.key)
+            for i, t in zip(index, tensors, strict=True):
+                if not isinstance(i, int) or i in table:
+                    raise ManifestError(f"{c.receipt.key}: bad tensor index {i!r}", key=c.receipt.key)
+                table[i] = t
+        tree = skeleton[entry]
+    else:
+        try:
+            receipt = manifest.shard(rank, RANK_SHARD)
+        except KeyError as exc:
+            raise ConfigError(f"step {manifest.label} has no per-rank shard of rank {rank}") from exc
+        containers = [_read_container(store, receipt, resolver)]
+        root = containers[0].tree
+        items = root.get("items") if isinstance(root, Mapping) else None
+        if not isinstance(items, Mapping) or entry not in items:
+            raise ManifestError(f"{receipt.key}: the per-rank shard holds no {entry!r}", key=receipt.key)
+        raw_table = root.get("tensors", [])
+        table = dict(enumerate(raw_table)) if isinstance(raw_table, list) else {}
+        tree = items[entry]
+    planned = _plan_containers(containers, tree, table, cast, strip_prefix, add_prefix, manifest.references)
+    return (*planned, entry)
+
+
+def _plan_lightning(
+    store: Store,
+    receipt: ShardReceipt,
     manifest: Manifest,
     entry: str | None,
     cast: torch.dtype | None,
-    strip: str | None,
-    add: str | None,
+    strip_prefix: str | None,
+    add_prefix: str | None,
+    resolver: serialization.Resolver | None,
 ) -> tuple[list[_Tensor], list[_Source], list[str], str]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from .dcp import MANIFEST_KEY, decode_metadata
-
-    info = manifest.metadata[MANIFEST_KEY]
-    by_key = {r.key: r for r in manifest.shards}
-
-    def receipt_for(rank: Any, name: Any) -> ShardReceipt:
-        if not isinstance(rank, int) or not 0 <= rank < manifest.world_size:
-            raise ManifestError(f"step {manifest.label}: DCP data names rank {rank!r}", key=manifest.key)
-        try:
-            key = layout.shard_key(manifest.step, manifest.attempt, rank, name)
-        except (TypeError, ValueError) as exc:
-            raise ManifestError(f"step {manifest.label}: bad shard name {name!r}: {exc}") from None
-        # either layout: the manifest's keys may carry the spreading prefix (layout.py)
-        receipt = by_key.get(key) or by_key.get(
-            layout.shard_key(manifest.step, manifest.attempt, rank, name, spread=True)
-        )
-        if receipt is None:
-            raise ManifestError(f"step {manifest.label}: DCP data names {key!r}, not in the manifest")
-        return receipt
-
-    ms = info.get("metadata_shard")
-    if not isinstance(ms, Mapping):
-        raise ManifestError(f"step {manifest.label}: the DCP entry names no metadata shard", key=manifest.key)
-    metadata, locations = decode_metadata(reader.read_shard(receipt_for(ms.get("rank"), ms.get("name"))))
-    fqns = metadata.state_dict_metadata
-    tops = sorted({f.split(".", 1)[0] for f in fqns if "." in f})
-    entry = _choose_entry(entry, tops, "model", manifest, store)
-    prefix = f"{entry}."
-    chunks_of: dict[str, list[tuple[Any, Any]]] = {}
-    for index, loc in locations.items():
-        if index.fqn.startswith(prefix):
-            chunks_of.setdefault(index.fqn, []).append((index, loc))
-    mine = [f for f in fqns if f.startswith(prefix)]
-    names = _rename(
-        [f[len(prefix) :] for f in mine if isinstance(fqns[f], TensorStorageMetadata)], strip, add
+    """A Lightning checkpoint's entry (default ``"state_dict"``) from its one container shard
+    ``receipt``. Returns the tensors, sources, skipped names and the entry chosen."""
+    container = _read_container(store, receipt, resolver)
+    names = (
+        [k for k, v in container.tree.items() if isinstance(v, Mapping)]
+        if isinstance(container.tree, Mapping)
+        else []
     )
-    skipped = [f[len(prefix) :] for f in mine if not isinstance(fqns[f], TensorStorageMetadata)]
-    sources: dict[str, _Source] = {}
-    tensors: list[_Tensor] = []
-    for fqn in mine:
-        md = fqns[fqn]
-        if not isinstance(md, TensorStorageMetadata):
-            continue
-        name = fqn[len(prefix) :]
-        dtype = md.properties.dtype
-        shape = tuple(int(s) for s in md.size)
-        t = _Tensor(names[name], dtype, _out_dtype(name, dtype, cast), shape)
-        strides = [math.prod(shape[j + 1 :]) for j in range(len(shape))]
-        boxes = []
-        covered = 0
-        first: tuple[int, int] | None = None
-        for index, loc in chunks_of.get(fqn, []):
-            if loc.kind != "tensor" or loc.dtype != str(dtype).removeprefix("torch."):
-                raise ManifestError(f"step {manifest.label}: item {fqn} is stored as {loc.kind} {loc.dtype}")
-            offsets = tuple(index.offset or (0,) * len(shape))
-            sizes = tuple(loc.shape or ())
-            if (
-                len(offsets) != len(shape)
-                or len(sizes) != len(shape)
-                or any(o + s > g for o, s, g in zip(offsets, sizes, shape, strict=True))
-            ):
-                raise ManifestError(
-                    f"step {manifest.label}: chunk {list(sizes)} at {list(offsets)} of {fqn} lies outside "
-                    f"its shape {list(shape)}"
-                )
-            boxes.append((offsets, sizes))
-            covered += math.prod(sizes)
-            receipt = receipt_for(loc.rank, loc.shard)
-            src = sources.setdefault(receipt.key, _Source(receipt, whole=False))
-            # runs: the innermost dimensions the chunk covers fully, plus one partial dimension
-            d = max(len(shape) - 1, 0)
-            while d > 0 and sizes[d] == shape[d]:
-                d -= 1
-            run = math.prod(sizes[d:])
-            base = sum(o * s for o, s in zip(offsets, strides, strict=True))
-            piece = _Piece(
-                loc.start,
-                loc.length,
-                t,
-                run=run if math.prod(sizes) else 0,
-                base=base,
-                outer=tuple(sizes[:d]),
-                strides=tuple(strides[:d]),
-                crc32c=loc.crc32c,
-                what=f"item {fqn} chunk at {list(offsets)}",
-            )
-            if piece.run == 0 and piece.length:
-                raise ManifestError(f"step {manifest.label}: empty chunk of {fqn} holds {loc.length} bytes")
-            src.pieces.append(piece)
-            order = (list(sources).index(receipt.key), loc.start)
-            first = order if first is None or order < first else first
-        _check_cover(fqn, shape, boxes, covered, manifest)
-        t.order = first or (0, 0)
-        tensors.append(t)
-    return tensors, list(sources.values()), skipped, entry
-
-
-def _check_cover(
-    fqn: str,
-    shape: tuple[int, ...],
-    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
-    covered: int,
-    m: Manifest,
-) -> None:
-    """The chunks of a tensor tile it exactly: no two overlap and together they hold every element."""
-    nonempty = [(o, s) for o, s in boxes if all(n > 0 for n in s)]
-    for i, (oa, sa) in enumerate(nonempty):
-        for ob, sb in nonempty[i + 1 :]:
-            if all(a < b + nb and b < a + na for a, na, b, nb in zip(oa, sa, ob, sb, strict=True)):
-                raise ManifestError(f"step {m.label}: chunks of {fqn} overlap", key=m.key)
-    total = 1
-    for n in shape:
-        total *= n
-    if covered != total:
-        raise ManifestError(
-            f"step {m.label}: the chunks of {fqn} hold {covered} of its {total} elements", key=m.key
-        )
+    entry = _choose_entry(entry, names, "state_dict", manifest, store)
+    planned = _plan_containers([container], container.tree[entry], {}, cast, strip_prefix, add_prefix)
+    return (*planned, entry)

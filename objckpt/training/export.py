@@ -42,9 +42,10 @@ The ``torch`` format (:func:`export_torch`) goes through the same streamed safet
 (temporary, next to ``out``), memory-mapped, so ``torch.save`` reads the tensors from the page
 cache rather than from the process's memory; it needs twice the disk space for a moment.
 
-This module holds the public API, :class:`ExportPlan` and :func:`plan_export`; reading each
-layout's metadata into pieces is :mod:`._export_plan`, routing and writing the bytes
-:mod:`._export_io`.
+This module holds the public API, :class:`ExportPlan` and :func:`plan_export` (which picks the
+checkpoint's layout); reading each layout's metadata into pieces is :mod:`._export_plan` (the
+CheckpointManager and Lightning containers) and :mod:`._export_dcp` (DCP's metadata shard), reading
+the sources and routing and writing the bytes :mod:`._export_io`.
 """
 
 from __future__ import annotations
@@ -62,39 +63,34 @@ from typing import Any
 import torch
 
 from ..coordination.roots import open_root
-from ..errors import (
-    ChecksumMismatchError,
-    ConfigError,
-    ManifestError,
-    NoCheckpointError,
-    NotFoundError,
-    SerializationError,
-)
+from ..errors import ConfigError, NoCheckpointError, SerializationError
 from ..manifest import Manifest
 from ..reader import Reader
 from ..store import Store
+from ._export_dcp import _plan_dcp
 from ._export_io import (
+    _COALESCE_GAP,
     SAFETENSORS_DTYPES,
+    _copy_source,
     _pwrite_all,
     _remove,
-    _Router,
     _Source,
     _temp_path,
     _Tensor,
 )
 from ._export_io import _Piece as _Piece  # re-exported ("as"): tests build pieces by hand
+from ._export_io import _Router as _Router  # re-exported ("as"): tests route pieces by hand
 from ._export_io import parse_dtype as parse_dtype  # re-exported ("as"): importable from here
-from ._export_plan import _choose_entry, _plan_containers, _plan_dcp, _read_container
 from ._export_plan import _out_dtype as _out_dtype  # re-exported ("as"): tests call it
+from ._export_plan import _plan_lightning, _plan_manager
 
 __all__ = ["ExportResult", "SAFETENSORS_DTYPES", "export", "export_safetensors", "export_torch"]
 
 log = logging.getLogger("objckpt.training.export")
 
 
-#: bytes per ranged GET of a DCP item, and the largest gap between two items read by one GET
+#: bytes per ranged GET of a DCP item (the largest gap one GET spans is ``_export_io._COALESCE_GAP``)
 DEFAULT_CHUNK = 8 * 1024 * 1024
-_COALESCE_GAP = 256 * 1024
 #: the layouts this module reads
 LAYOUT_MANAGER, LAYOUT_DCP, LAYOUT_LIGHTNING = "CheckpointManager", "DCP", "Lightning"
 _LIGHTNING_SHARD = "lightning.ckpt"
@@ -423,7 +419,7 @@ class ExportPlan:
                 written[0] += data.nbytes
 
             for source in self.sources:
-                self._copy(source, write, progress)
+                _copy_source(self.store, source, write, progress, self.chunk_size, self.manifest.label)
             if written[0] != self.data_bytes:  # every byte of the file is written exactly once
                 raise SerializationError(
                     f"export of step {self.manifest.label}: wrote {written[0]} bytes of {self.data_bytes}"
@@ -431,63 +427,6 @@ class ExportPlan:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-    def _copy(
-        self,
-        source: _Source,
-        write: Callable[[int, memoryview], None],
-        progress: Callable[[int], None] | None,
-    ) -> None:
-        router = _Router(source, write, self.store.location)
-        key = source.receipt.key
-        if source.whole:
-            reader = Reader(self.store)
-            pos = 0
-            head = bytearray()
-            tail = bytearray()
-            for chunk in reader.open_shard(source.receipt):
-                view = memoryview(chunk).cast("B")
-                if progress is not None:
-                    progress(view.nbytes)
-                if len(head) < len(source.header):
-                    take = min(len(source.header) - len(head), view.nbytes)
-                    head += view[:take]
-                    if len(head) == len(source.header) and bytes(head) != source.header:
-                        raise ChecksumMismatchError(
-                            "the container header changed between the planning read and the verified stream",
-                            key=key,
-                            location=self.store.location,
-                        )
-                if source.trailer and pos + view.nbytes > source.trailer_at:
-                    tail += view[max(0, source.trailer_at - pos) :]
-                router.feed(pos, view)
-                pos += view.nbytes
-            if source.trailer and bytes(tail) != source.trailer:
-                raise ChecksumMismatchError(
-                    "the container header changed between the planning read and the verified stream",
-                    key=key,
-                    location=self.store.location,
-                )
-        else:
-            for a, b in source.spans(_COALESCE_GAP, self.chunk_size):
-                try:
-                    data = self.store.get(key, byte_range=(a, b))
-                except NotFoundError as exc:
-                    raise ChecksumMismatchError(
-                        f"a shard of committed step {self.manifest.label} is missing: {exc}",
-                        key=key,
-                        location=self.store.location,
-                    ) from exc
-                if len(data) != b - a:
-                    raise ChecksumMismatchError(
-                        f"ranged read [{a}, {b}) returned {len(data)} bytes (shard truncated?)",
-                        key=key,
-                        location=self.store.location,
-                    )
-                if progress is not None:
-                    progress(len(data))
-                router.feed(a, memoryview(data).cast("B"))
-        router.finish()
 
 
 # ------------------------------------------------------------------------------------- the plan
@@ -518,56 +457,14 @@ def plan_export(
     else:
         manifest = reader.load(step, timeline)
     from .dedup import resolver_for
-    from .shards import RANK_SHARD, REPLICATED_SHARD, STATE_LAYOUT
+    from .shards import STATE_LAYOUT
 
     resolver = resolver_for(store, manifest)  # the sizes of what a version-3 shard may reference
     topo = manifest.topology
     if topo.get("layout") == STATE_LAYOUT:
         layout_name = LAYOUT_MANAGER
-        replicated = list(topo.get("replicated", []))
-        per_rank = list(topo.get("per_rank", []))
-        entry = _choose_entry(entry, replicated + per_rank, "model", manifest, store)
-        if entry in replicated:
-            receipts = sorted(
-                (s for s in manifest.shards if s.name == REPLICATED_SHARD), key=lambda s: s.rank
-            )
-            containers = [_read_container(store, r, resolver) for r in receipts]
-            for c in containers:
-                if not isinstance(c.tree, Mapping):
-                    raise ManifestError(f"{c.receipt.key}: not a replicated shard", key=c.receipt.key)
-            skeleton = next((c.tree.get("skeleton") for c in containers if "skeleton" in c.tree), None)
-            if not isinstance(skeleton, Mapping) or entry not in skeleton:
-                raise ManifestError(
-                    f"step {manifest.label}: no replicated shard holds the structure of {entry!r}",
-                    key=manifest.key,
-                )
-            table: dict[int, Any] = {}
-            for c in containers:
-                index, tensors = c.tree.get("index"), c.tree.get("tensors")
-                if not isinstance(index, list) or not isinstance(tensors, list) or len(index) != len(tensors):
-                    raise ManifestError(
-                        f"{c.receipt.key}: malformed replicated tensor table", key=c.receipt.key
-                    )
-                for i, t in zip(index, tensors, strict=True):
-                    if not isinstance(i, int) or i in table:
-                        raise ManifestError(f"{c.receipt.key}: bad tensor index {i!r}", key=c.receipt.key)
-                    table[i] = t
-            tree = skeleton[entry]
-        else:
-            try:
-                receipt = manifest.shard(rank, RANK_SHARD)
-            except KeyError as exc:
-                raise ConfigError(f"step {manifest.label} has no per-rank shard of rank {rank}") from exc
-            containers = [_read_container(store, receipt, resolver)]
-            root = containers[0].tree
-            items = root.get("items") if isinstance(root, Mapping) else None
-            if not isinstance(items, Mapping) or entry not in items:
-                raise ManifestError(f"{receipt.key}: the per-rank shard holds no {entry!r}", key=receipt.key)
-            raw_table = root.get("tensors", [])
-            table = dict(enumerate(raw_table)) if isinstance(raw_table, list) else {}
-            tree = items[entry]
-        tensors, sources, skipped = _plan_containers(
-            containers, tree, table, cast, strip_prefix, add_prefix, manifest.references
+        tensors, sources, skipped, entry = _plan_manager(
+            store, manifest, entry, rank, cast, strip_prefix, add_prefix, resolver
         )
     elif isinstance(manifest.metadata.get("dcp"), Mapping):
         layout_name = LAYOUT_DCP
@@ -577,15 +474,8 @@ def plan_export(
     elif any(s.name == _LIGHTNING_SHARD for s in manifest.shards):
         layout_name = LAYOUT_LIGHTNING
         receipt = next(s for s in manifest.shards if s.name == _LIGHTNING_SHARD)
-        container = _read_container(store, receipt, resolver)
-        names = (
-            [k for k, v in container.tree.items() if isinstance(v, Mapping)]
-            if isinstance(container.tree, Mapping)
-            else []
-        )
-        entry = _choose_entry(entry, names, "state_dict", manifest, store)
-        tensors, sources, skipped = _plan_containers(
-            [container], container.tree[entry], {}, cast, strip_prefix, add_prefix
+        tensors, sources, skipped, entry = _plan_lightning(
+            store, receipt, manifest, entry, cast, strip_prefix, add_prefix, resolver
         )
     else:
         raise ConfigError(

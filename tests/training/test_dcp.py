@@ -336,14 +336,14 @@ def test_train_state_holding_a_bytesio_is_refused_before_commit() -> None:
 
 def test_a_committed_bytes_item_the_policy_refuses_is_an_error_not_damage(monkeypatch) -> None:
     """Invariant 11b: a policy refusal at load never falls back to an older checkpoint."""
-    import objckpt.training.dcp.writer as dcp_writer
+    import objckpt.training.dcp._shard_stream as dcp_shard_stream
 
     _EXECUTED.clear()
     store = mem()
     good = sample_state(0)
     save_sharded(good, store, 1)
     # Commit the hostile pickle anyway (an older objckpt, or another writer, could have).
-    monkeypatch.setattr(dcp_writer, "_check_loadable", lambda view, fqn: None)
+    monkeypatch.setattr(dcp_shard_stream, "_check_loadable", lambda view, fqn: None)
     save_sharded(sample_state(1), store, 2, planner=_HostilePlanner())
     monkeypatch.undo()
 

@@ -1,17 +1,19 @@
-"""The DCP ``StorageWriter``: one DCP save = one attempt committed by the save session."""
+"""The DCP ``StorageWriter``: one DCP save = one attempt committed by the save session.
+
+This module speaks DCP's protocol (plans, the attempt, the commit, pickling for ``async_save``);
+how one rank packs its items into shards and streams their bytes (with dedup reuse and the
+bytes-item loadability check) is :mod:`._shard_stream`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import secrets
-from collections.abc import Iterator, Mapping
-from concurrent.futures import Future as HashFuture
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Union
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -35,7 +37,6 @@ from ...errors import (
     CommitError,
     ConfigError,
     DistributedError,
-    LoadRefusedError,
 )
 from ...gc import RetentionPolicy
 from ...layout import check_step, new_attempt_id
@@ -53,37 +54,18 @@ from ._metadata import (
     FORMAT_VERSION,
     MANIFEST_KEY,
     METADATA_SHARD,
-    _dtype_name,
-    _first_line,
     _GlobalStorageData,
     _ItemLocation,
     _LocalStorageData,
     _parse_step,
     encode_metadata,
 )
+from ._shard_stream import split_into_shards, stream_items
 
 log = logging.getLogger("objckpt.training.dcp")
 
 StoreLike = Union[str, Store]
 _KeyIndex = dict[tuple[int, str], tuple[str, int]]  # (rank, shard name) -> (key, size)
-#: a shard written alongside others holds at least this many parts (fewer, larger files below)
-_SPREAD_PARTS = 4
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes in row-major order; zero-copy for contiguous CPU tensors.
-
-    Copies only what must be copied: device tensors to host, non-contiguous views, and lazily
-    conjugated/negated tensors (whose memory does not hold the values)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    # A uint8 view works for every dtype (numpy has no bfloat16); the memoryview keeps the
-    # tensor alive for as long as the upload holds parts of it.
-    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 # ---------------------------------------------------------------------------------- writer
@@ -176,7 +158,7 @@ class ObjckptStorageWriter(StorageWriter):
         self._nonce: str | None = None
         self._parent: Any = None  # the parent manifest whose items this save may reuse
         self._candidates: dict[Any, _ItemLocation] = {}
-        self._spread = 1  # shards written at once by this save (set by _split)
+        self._spread = 1  # shards written at once by this save (set by write_data)
 
     # -- DCP protocol
 
@@ -302,7 +284,18 @@ class ObjckptStorageWriter(StorageWriter):
             sums = StreamChecksums()
             # borrow: the yielded buffers are the items' own memory, alive until write returns
             receipt = writer.write(
-                name, self._stream(name, items, planner, locations), checksums=sums, borrow=True
+                name,
+                stream_items(
+                    name,
+                    items,
+                    planner,
+                    locations,
+                    rank=self.rank,
+                    candidates=self._candidates,
+                    dedup_enabled=self.dedup,
+                ),
+                checksums=sums,
+                borrow=True,
             )
             # each item's CRC32C comes from the upload's one pass (each yielded buffer is one item)
             sent = iter(sums.chunks)
@@ -314,7 +307,12 @@ class ObjckptStorageWriter(StorageWriter):
                     locations[i] = (item, dataclasses.replace(loc, crc32c=encode_crc32c(crc)))
             return name, receipt, locations
 
-        shards = self._split(plan.items)
+        shards, self._spread = split_into_shards(
+            plan.items,
+            max_shard_bytes=self.max_shard_bytes,
+            part_size=self.store.part_size,
+            max_in_flight=self.store.max_in_flight,
+        )
         if len(shards) == 1:
             written = [write_shard(0, shards[0])]
         else:
@@ -330,7 +328,7 @@ class ObjckptStorageWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
             if not any(loc.origin is None for _, loc in locations):
                 # an empty shard (no items, or every item reused): proves this rank took part
-                # and carries the shard's receipt (see _split)
+                # and carries the shard's receipt (see split_into_shards)
                 results.append(
                     WriteResult(
                         index=MetadataIndex(f"__objckpt_rank_{sd.rank}_{name}__"),
@@ -343,120 +341,6 @@ class ObjckptStorageWriter(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
-
-    def _split(self, items: list[WriteItem]) -> list[list[WriteItem]]:
-        """Pack items into shards: bytes items first (small, like DCP's writer), then tensors in
-        plan order, a new shard whenever one would exceed ``max_shard_bytes`` or, for a rank
-        holding at least two spreads' worth, its share of the rank's bytes over the shards
-        written at once (``min(max_in_flight, bytes / (_SPREAD_PARTS parts))``). A rank with no
-        items still writes one empty shard so its receipt shows it took part in the save."""
-        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
-            i for i in items if i.type != WriteItemType.BYTE_IO
-        ]
-        # a large rank's items spread over up to max_in_flight shards written at once (each
-        # at least _SPREAD_PARTS parts), so their files are written in parallel
-        total = sum(item.tensor_storage_size() or 0 for item in ordered)
-        self._spread = max(1, min(self.store.max_in_flight, total // (_SPREAD_PARTS * self.store.part_size)))
-        limit = (
-            min(self.max_shard_bytes, -(-total // self._spread)) if self._spread > 1 else self.max_shard_bytes
-        )
-        shards: list[list[WriteItem]] = [[]]
-        size = 0
-        for item in ordered:
-            n = item.tensor_storage_size() or 0
-            if shards[-1] and size + n > limit:
-                shards.append([])
-                size = 0
-            shards[-1].append(item)
-            size += n
-        return shards
-
-    def _stream(
-        self,
-        name: str,
-        items: list[WriteItem],
-        planner: SavePlanner,
-        out: list[tuple[WriteItem, _ItemLocation]],
-    ) -> Iterator[memoryview]:
-        """Yield each item's bytes, resolving items lazily (resolve_data may allocate), and
-        record where each landed with its CRC32C. Runs in the uploading thread, so ``out`` is
-        complete when ``ShardWriter.write`` returns."""
-        offset = 0
-        hashing: list[tuple[int, HashFuture[bytes]]] = []  # (index in out, hash) computed while uploading
-        pool = ThreadPoolExecutor(1, thread_name_prefix="objckpt-dcp-hash") if self.dedup else None
-        try:
-            yield from self._stream_items(name, items, planner, out, offset, hashing, pool)
-            for i, fut in hashing:
-                item, loc = out[i]
-                out[i] = (item, dataclasses.replace(loc, hash=fut.result().hex()))
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
-
-    def _stream_items(
-        self,
-        name: str,
-        items: list[WriteItem],
-        planner: SavePlanner,
-        out: list[tuple[WriteItem, _ItemLocation]],
-        offset: int,
-        hashing: list[tuple[int, HashFuture[bytes]]],
-        pool: ThreadPoolExecutor | None,
-    ) -> Iterator[memoryview]:
-        for item in items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                if not isinstance(data, io.BytesIO):
-                    raise TypeError(
-                        f"{item.index.fqn}: planner resolved a bytes item to {type(data).__name__}"
-                    )
-                view = data.getbuffer()
-                _check_loadable(view, item.index.fqn)
-                loc = _ItemLocation(self.rank, name, offset, view.nbytes, "", "bytes")
-            else:
-                if not isinstance(data, torch.Tensor):
-                    raise TypeError(
-                        f"{item.index.fqn}: planner resolved a tensor item to {type(data).__name__}"
-                    )
-                expected = tuple(item.tensor_data.chunk.sizes) if item.tensor_data else tuple(data.shape)
-                if tuple(data.shape) != expected:
-                    raise ValueError(
-                        f"{item.index.fqn}: resolved tensor has shape {tuple(data.shape)}, "
-                        f"plan says {expected}"
-                    )
-                view = _tensor_bytes(data)
-                cand = self._candidates.get(item.index)
-                sample = digest = None
-                if pool is not None:
-                    sample = dedup.chunk_sample(view).hex()
-                    # hashed in full only when it may be unchanged (its sample is the parent's)
-                    # or is new (nothing to compare it with): a changed item is never hashed
-                    if cand is not None and cand.length == view.nbytes and cand.sample in (None, sample):
-                        digest = dedup.chunk_hash(view).hex()
-                        if digest == cand.hash and cand.dtype == _dtype_name(data.dtype):
-                            # unchanged since the parent: located in the parent's object, not sent
-                            out.append((item, dataclasses.replace(cand, receipt=None)))
-                            continue
-                loc = _ItemLocation(
-                    self.rank,
-                    name,
-                    offset,
-                    view.nbytes,
-                    "",
-                    "tensor",
-                    _dtype_name(data.dtype),
-                    tuple(int(s) for s in data.shape),
-                )
-            # the CRC32C is filled in from the upload's own pass (write_data): not hashed here
-            out.append((item, loc))
-            if pool is not None and loc.kind == "tensor":
-                loc = dataclasses.replace(loc, sample=sample, hash=digest)
-                out[-1] = (item, loc)
-                if digest is None and (cand is None or cand.length != view.nbytes):
-                    hashing.append((len(out) - 1, pool.submit(dedup.chunk_hash, view)))
-            offset += view.nbytes
-            if view.nbytes:
-                yield view
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only, after every rank's writes succeeded: write DCP's metadata as a JSON
@@ -581,26 +465,3 @@ class ObjckptStorageWriter(StorageWriter):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_loadable(view: memoryview, fqn: str) -> None:
-    """Refuse, before anything is committed, a bytes item that the load policy would refuse.
-
-    DCP pickles non-tensor values (``torch.save``) into bytes items; objckpt loads them only with
-    ``torch.load(weights_only=True)`` (invariant 12). A value that policy cannot rebuild (an
-    ``io.BytesIO``, a custom class) would make a checkpoint that saves but never loads, so the save
-    fails here instead, naming the item.
-
-    Raises:
-        LoadRefusedError: naming the item and the allow-list mechanism.
-    """
-    try:
-        torch.load(io.BytesIO(view), weights_only=True, map_location="cpu")
-    except Exception as exc:  # noqa: BLE001 - whatever the restricted unpickler refuses
-        raise LoadRefusedError(
-            f"DCP item {fqn!r} would be saved as a pickle that torch.load(weights_only=True) refuses "
-            f"({type(exc).__name__}: {_first_line(exc)}); objckpt never loads unrestricted pickles, so "
-            "this checkpoint could not be restored. Store it as a tensor or plain data, or allow its "
-            "classes with torch.serialization.add_safe_globals([...]) on every rank (before saving and "
-            "loading)"
-        ) from None
