@@ -17,7 +17,6 @@ and writing): these helpers only read metadata and produce :class:`~._export_io.
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -128,14 +127,9 @@ def _read_chunked_container(
     header, header_at = got
     data_start = len(stub)
     _, local, remote = serialization._plan_chunked(header, data_start, header_at, resolver)
-    placeholders: list[Any] = []
-    for i, e in enumerate(header["arrays"]):
-        kind, dt, shape, _ = serialization._check_entry(i, e)
-        if kind == "torch":
-            placeholders.append(torch.empty(shape, dtype=dt, device="meta"))
-        else:  # numpy arrays are never exported; a 0-byte stand-in of their dtype
-            np: Any = getattr(serialization, "np", None)  # _check_entry refused numpy without it
-            placeholders.append(np.zeros((), dtype=dt) if not shape else np.empty(0, dtype=dt))
+    placeholders = [
+        _placeholder(*serialization._check_entry(i, e)[:3]) for i, e in enumerate(header["arrays"])
+    ]
     chunks: dict[int, list[Any]] = {}
     every: list[Any] = [*local, *remote]  # serialization._Local | serialization._Remote
     for c in every:
@@ -157,45 +151,28 @@ def _read_chunked_container(
     )
 
 
+def _placeholder(kind: str, dt: Any, shape: list[int]) -> Any:
+    """A stand-in for one checked array: a meta tensor, or for numpy (never exported) a 0-byte
+    array of its dtype; no memory allocated."""
+    if kind == "torch":
+        return torch.empty(shape, dtype=dt, device="meta")
+    np: Any = getattr(serialization, "np", None)  # _check_entry refused numpy without it
+    return np.zeros((), dtype=dt) if not shape else np.empty(0, dtype=dt)
+
+
 def _placeholders(entries: Any, data_size: int) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Validate the array table (as decoding does) and stand in a meta tensor (or a 0-byte numpy
-    array) for each array: no memory allocated."""
+    """Validate the array table (as decoding does: :func:`serialization._check_entry`, then the
+    offsets) and stand in :func:`_placeholder` for each array."""
     if not isinstance(entries, list):
         raise serialization._fail("bad array table")
     out: list[Any] = []
     end = 0
     for i, e in enumerate(entries):
-        if not isinstance(e, dict):
-            raise serialization._fail(f"array {i}: entry is not an object")
-        kind, dtype, shape = e.get("kind"), e.get("dtype"), e.get("shape")
-        offset, nbytes = e.get("offset"), e.get("nbytes")
-        if (
-            not (isinstance(offset, int) and isinstance(nbytes, int) and offset >= end and nbytes >= 0)
-            or offset + nbytes > data_size
-        ):
+        kind, dt, shape, nbytes = serialization._check_entry(i, e)
+        offset = e.get("offset")
+        if not (isinstance(offset, int) and offset >= end) or offset + nbytes > data_size:
             raise serialization._fail(f"array {i}: bad offset/nbytes ({offset!r}, {nbytes!r})")
-        if (
-            not isinstance(shape, list)
-            or not all(isinstance(d, int) and d >= 0 for d in shape)
-            or len(shape) > 64
-        ):
-            raise serialization._fail(f"array {i}: bad shape {shape!r}")
-        if kind == "torch":
-            td = serialization._TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else None
-            if td is None:
-                raise serialization._fail(f"array {i}: dtype {dtype!r} is not allowed")
-            if math.prod(shape) * td.itemsize != nbytes:
-                raise serialization._fail(f"array {i}: {nbytes} bytes do not fit shape {shape} of {dtype}")
-            out.append(torch.empty(shape, dtype=td, device="meta"))
-        elif kind == "numpy":
-            np = getattr(serialization, "np", None)
-            if np is None or not isinstance(dtype, str) or not serialization._NUMPY_DTYPE_RE.match(dtype):
-                raise serialization._fail(f"array {i}: numpy dtype {dtype!r} is not allowed")
-            out.append(
-                np.zeros((), dtype=np.dtype(dtype)) if not shape else np.empty(0, dtype=np.dtype(dtype))
-            )
-        else:
-            raise serialization._fail(f"array {i}: unknown kind {kind!r}")
+        out.append(_placeholder(kind, dt, shape))
         end = offset + nbytes
     return entries, out
 
