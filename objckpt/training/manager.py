@@ -15,7 +15,10 @@ runs the multi-rank save protocol (handshake, attempt id, receipts, commit on ra
 on every rank, retention) and :class:`~objckpt.coordination.RestoreSession` the restore protocol
 (resolve on rank 0, broadcast, stage on every rank, fall back together on damage, agree on the
 step). What the manager adds is *what* is written (:mod:`.shards`: replicated state split across
-ranks, per-rank state, RNG) and asynchronous saves (:mod:`.background`, :mod:`.staging`).
+ranks, per-rank state, RNG) and asynchronous saves (:mod:`.background`, :mod:`.staging`). This
+module is the facade; each save runs in :mod:`._save_runner`, each restore and rollback in
+:mod:`._restore_runner`, under the checks and wiring of :mod:`._manager_setup`,
+:mod:`._manager_checks` and :mod:`._save_errors`.
 
 Bitwise resume (invariant 14) holds for CPU runs with the same world size, given deterministic
 collectives. One trap outside objckpt: DDP rebuilds its gradient-bucket layout after the first
@@ -28,94 +31,32 @@ seed per iterator from the global torch RNG otherwise.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from ..coordination.mirror import Mirror, save_session
-from ..coordination.restore import RestoreSession
 from ..coordination.roots import open_root
-from ..coordination.save import SaveTicket
 from ..defaults import GC_GRACE_PERIOD, HANDSHAKE_TIMEOUT, KEEP_LAST, TIMEOUT
-from ..errors import (
-    CommitError,
-    SaveAbandonedError,
-    StagingBudgetError,
-    StoreError,
-    TrainingStateError,
-    encode_error,
-)
-from ..gc import RetentionPolicy
+from ..errors import SaveAbandonedError, StagingBudgetError
 from ..manifest import Manifest
 from ..metrics import CheckpointMetrics
 from ..reader import Reader
 from ..store import Store
 from . import shards
-from .background import BackgroundSaver
+from ._manager_checks import check_roots, hash_config, run_identity
+from ._manager_setup import ASYNC_POLICIES, SKIP, WAIT, validate_options, wire_sessions
+from ._restore_runner import RestoreRunner
+from ._save_errors import RAISE, SaveErrorPolicy
+from ._save_runner import SaveRunner
 from .codec import CompressionPolicy
 from .dist import make_comm
 from .staging import SaveHandle, StagingArea
-from .state import RestoreReport, classify
+from .state import RestoreReport
 
-__all__ = [
-    "CheckpointManager",
-    "SaveAbandonedError",
-    "SaveHandle",
-    "StagingBudgetError",
-    "hash_config",
-]
+__all__ = ["CheckpointManager", "SaveAbandonedError", "SaveHandle", "StagingBudgetError", "hash_config"]
 
 log = logging.getLogger("objckpt.training")
-
-#: what save_async does while a save is in flight
-WAIT, SKIP = "wait", "skip"
-_POLICIES = (WAIT, SKIP)
-#: what a failed save does to the training loop (``on_save_error``)
-RAISE, WARN = "raise", "warn"
-_ON_SAVE_ERROR = (RAISE, WARN)
-
-
-def _is_save_failure(exc: BaseException) -> bool:
-    """A save that did not commit for a reason the next checkpoint can overcome (a store error,
-    a failed rank upload, commit checks); not a programming error, a dead rank or an abandon."""
-    return isinstance(exc, (CommitError, StoreError)) and not isinstance(exc, SaveAbandonedError)
-
-
-def hash_config(config: Any) -> str:
-    """A stable SHA-256 of a JSON-able config (sorted keys), for ``config_hash=``."""
-    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-def _commit_time(manifest: Manifest) -> float:
-    """Epoch seconds of ``manifest``'s commit (now, when it does not say)."""
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(manifest.created_at.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return time.time()
-
-
-def _key_of(body: bytes) -> str:
-    from .. import layout
-
-    obj = json.loads(body)
-    return layout.manifest_key(int(obj["step"]), int(obj.get("timeline", 0)))
-
-
-def _not_replicated(name: str, rank: int, first: Any, mine: Any) -> Exception:
-    first, mine = dict(first or {}), dict(mine or {})
-    names = sorted(n for n in set(first) | set(mine) if first.get(n) != mine.get(n))
-    return TrainingStateError(
-        f"state {names} is not replicated: rank {rank} holds tensors of other names or "
-        "shapes than rank 0. Pass replicated=() (or the names that really are identical "
-        "on every rank) to CheckpointManager"
-    )
 
 
 class CheckpointManager:
@@ -230,19 +171,9 @@ class CheckpointManager:
         verify: str = "coordinator",
         **store_options: Any,
     ) -> None:
-        if async_policy not in _POLICIES:
-            raise ValueError(f"async_policy must be one of {_POLICIES}, got {async_policy!r}")
-        if on_save_error not in _ON_SAVE_ERROR:
-            raise ValueError(f"on_save_error must be one of {_ON_SAVE_ERROR}, got {on_save_error!r}")
-        if check not in (True, False, "write"):
-            raise ValueError(f"check must be True, False or 'write', got {check!r}")
+        validate_options(async_policy, on_save_error, check, keep_last, every)
         self.on_save_error = on_save_error
-        #: (step, epoch seconds of its commit) of the last checkpoint known valid on this rank
-        self._last_valid: tuple[int, float] | None = None
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-        if every is not None and every < 1:
-            raise ValueError(f"every must be >= 1 or None, got {every}")
+        self._errors = SaveErrorPolicy(on_save_error)
         self.store, self._owns_store = open_root(uri_or_store, store_options)
         self.reader = Reader(self.store)
         self.keep_last = keep_last
@@ -266,59 +197,62 @@ class CheckpointManager:
         self.comm = make_comm(timeout=timeout, handshake_timeout=handshake_timeout, background=True)
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
-        self._mirror_store: Store | None = None
-        self._owns_mirror = False
-        if mirror is not None:
-            self._mirror_store, self._owns_mirror = open_root(mirror)
-        self._primary_down: BaseException | None = None
-        if check:
-            self._check_roots(write=check == "write")
-        identity: dict[str, Any] = {"world_size": self.world_size}
-        if config_hash is not None:
-            identity["config_hash"] = config_hash
-        if dataset_snapshot is not None:
-            identity["dataset_snapshot"] = dataset_snapshot
-        retention = (
-            RetentionPolicy(keep_last=keep_last, keep_every=keep_every) if keep_last is not None else None
-        )
-        self._mirror = (
-            Mirror(
-                self.store,
-                self._mirror_store,
-                retention=retention,
-                grace_period=gc_grace_period,
-                metrics=metrics,
-                policy=mirror_policy,
-            )
-            if self._mirror_store is not None
-            else None
-        )
-        self._saves = save_session(
+        self._mirror_store: Store | None
+        self._mirror_store, self._owns_mirror = open_root(mirror) if mirror is not None else (None, False)
+        try:
+            self._primary_down = check_roots(self.comm, self.store, self._mirror_store, check=check)
+        except BaseException:
+            self._release_roots()
+            raise
+        sessions = wire_sessions(
             self.store,
             self.comm,
-            mirror=self._mirror,
-            retention=retention,
-            grace_period=gc_grace_period,
+            self._mirror_store,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            gc_grace_period=gc_grace_period,
             metrics=metrics,
-            identity=identity,
+            mirror_policy=mirror_policy,
+            identity=run_identity(self.world_size, config_hash, dataset_snapshot),
             key_spreading=key_spreading,
             verify=verify,
+            primary_down=self._primary_down,
         )
-        self._restores = RestoreSession(self.store, self.comm, metrics=metrics, mirror=self._mirror_store)
-        self._restores.primary_down = self._primary_down  # the first restore skips a primary known down
-        # The background save thread's own channel: it alone issues collectives there, so their
-        # order is the same on every rank whatever the training thread does meanwhile.
-        self._background = BackgroundSaver(self._saves, self.comm.background())
-        if metrics is not None:
-            metrics.watch_store(self.store)
-        #: (step, reason) of every checkpoint a restore rejected and fell back from
-        self.fallbacks: list[tuple[int, str]] = []
-        #: bytes written by this rank (and reused from the parent instead) and seconds taken by
-        #: the last save
-        self.last_save: dict[str, Any] = {}
-        #: what the last restore loaded on this rank (missing/unexpected keys, elastic mapping)
-        self.last_restore: RestoreReport | None = None
+        self._mirror, self._background = sessions.mirror, sessions.background
+        self._saver = SaveRunner(
+            sessions.saves,
+            self._background,
+            self._staging,
+            self._errors,
+            replicated=self.replicated,
+            dedup=self.dedup,
+            compression=self._compression,
+            metadata=self.metadata,
+        )
+        self._restorer = RestoreRunner(
+            sessions.restores,
+            self.reader,
+            self._errors,
+            replicated_read=replicated_read,
+            config_hash=config_hash,
+        )
         self._closed = False
+
+    @property
+    def last_save(self) -> dict[str, Any]:
+        """Bytes written by this rank (and reused from the parent instead) and seconds taken by
+        the last save (empty before the first)."""
+        return self._saver.last_save
+
+    @property
+    def fallbacks(self) -> list[tuple[int, str]]:
+        """(step, reason) of every checkpoint a restore rejected and fell back from."""
+        return self._restorer.fallbacks
+
+    @property
+    def last_restore(self) -> RestoreReport | None:
+        """What the last restore loaded on this rank (missing/unexpected keys, elastic mapping)."""
+        return self._restorer.last_restore
 
     # ------------------------------------------------------------------ public API
 
@@ -359,30 +293,7 @@ class CheckpointManager:
         if self.every is not None and not force and step % self.every:
             return None
         self._check_open()
-        started = time.monotonic()
-        pending = self._settle()
-        cap, error = self._capture(step, state)
-        ticket = self._begin(step, cap, error, pending, kind="save", busy=False)
-        assert cap is not None and ticket.writer is not None
-        try:
-            shards.write(ticket.writer, cap)
-        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, raised everywhere
-            log.error("rank %d failed to write its shards for step %d: %s", self.rank, step, exc)
-            ticket.fail(exc)
-        try:
-            manifest = self._finish(ticket, cap, {}, metadata)
-        except Exception as exc:
-            if self.on_save_error == WARN and _is_save_failure(exc):
-                self._warn_failed(step, exc)  # the same error on every rank: all go on alike
-                return None
-            raise
-        self.last_save = {
-            "step": step,
-            "bytes": cap.bytes_written,
-            "reused_bytes": cap.reused_bytes,
-            "seconds": time.monotonic() - started,
-        }
-        return manifest
+        return self._saver.save(step, state, metadata)
 
     def save_async(
         self,
@@ -425,62 +336,14 @@ class CheckpointManager:
             CommitError: as above.
         """
         policy = policy or self.async_policy
-        if policy not in _POLICIES:
-            raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
+        if policy not in ASYNC_POLICIES:
+            raise ValueError(f"policy must be one of {ASYNC_POLICIES}, got {policy!r}")
         if self.metrics is not None:
             self.metrics.observe_step(step)
         if self.every is not None and not force and step % self.every:
             return SaveHandle(step, skipped=True, reason=f"step {step} is not due (every={self.every})")
         self._check_open()
-        started = time.monotonic()
-        busy = policy == SKIP and self._background.busy
-        pending = None if busy else self._settle()
-        cap, error = self._capture(step, state)
-        plan = None
-        if cap is not None and error is None:
-            try:
-                plan = self._staging.plan(cap.trees, what=f"save_async(step={step})")
-            except Exception as exc:  # noqa: BLE001 - every rank raises the same error after the handshake
-                error = exc
-        ticket = self._begin(step, cap, error, pending, kind="save_async", busy=busy)
-        if ticket.skip:
-            log.warning(
-                "save_async(step=%d) skipped: the previous save is still in flight on %s (policy='skip')",
-                step,
-                "this rank" if busy else "another rank",
-            )
-            return SaveHandle(
-                step, skipped=True, reason="the previous save was still in flight (policy='skip')"
-            )
-        assert cap is not None and plan is not None
-        handle = SaveHandle(step, attempt=ticket.attempt, staged_bytes=plan.nbytes)
-        stage_error: Exception | None = None
-        try:
-            cap.replicated_tree, cap.local_tree = self._staging.stage(plan)
-        except Exception as exc:  # noqa: BLE001 - reported by the background thread, so all ranks agree
-            log.error("rank %d failed to stage step %d: %s", self.rank, step, exc)
-            stage_error = exc
-        del plan  # the plan references the live tensors; the background thread must not
-        handle.blocking_seconds = time.monotonic() - started
-
-        def finish(t: SaveTicket, c: shards.Capture, options: Mapping[str, Any]) -> Manifest:
-            try:
-                manifest = self._finish(t, c, options, metadata, blocking=handle.blocking_seconds)
-            except Exception as exc:
-                if self.on_save_error == WARN and _is_save_failure(exc):
-                    self._warn_failed(step, exc)
-                raise
-            self.last_save = {
-                "step": step,
-                "bytes": c.bytes_written,
-                "reused_bytes": c.reused_bytes,
-                "seconds": time.monotonic() - started,
-                "blocking_seconds": handle.blocking_seconds,
-            }
-            return manifest
-
-        self._background.start(handle, ticket, cap, stage_error=stage_error, finish=finish)
-        return handle
+        return self._saver.save_async(step, state, metadata, skip=policy == SKIP)
 
     def wait(self) -> Manifest | None:
         """Wait for the in-flight :meth:`save_async` (if any) and return its manifest (None when
@@ -529,36 +392,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._background.settle()
-        prep_error: Exception | None = None
-        try:
-            for name, obj in state.items():
-                classify(name, obj)
-        except Exception as exc:  # noqa: BLE001 - every rank raises the same error
-            prep_error = exc
-
-        def stage(manifest: Manifest) -> shards.Staged:
-            # the session's reader: the primary's, or the mirror's when the checkpoint comes from it
-            return shards.stage(
-                self._restores.reader,
-                manifest,
-                state,
-                rank=self.rank,
-                world_size=self.world_size,
-                strict=strict,
-                comm=self.comm,
-                replicated_read=self.replicated_read,
-            )
-
-        def apply(manifest: Manifest, staged: shards.Staged) -> None:
-            self._check_identity(manifest)
-            self.last_restore = shards.apply(state, staged, rank=self.rank)
-
-        restored = self._restores.restore(stage, apply, step=step, error=prep_error)
-        if restored is None:
-            return None
-        self.fallbacks.extend(restored.fallbacks)
-        self._last_valid = (restored.step, _commit_time(restored.manifest))
-        return restored.step
+        return self._restorer.restore(state, step=step, strict=strict)
 
     def rollback(self, step: int, *, timeline: int | None = None) -> int:
         """Make committed checkpoint ``step`` the head again and continue from it on a new
@@ -574,22 +408,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._background.settle()
-        from ..coordination import lineage
-        from ..coordination.comm import agree
-        from ..timelines import rollback
-
-        def decide(_: list[Any]) -> dict[str, Any]:
-            claim = rollback(self.store, step, timeline=timeline)
-            return {"timeline": claim.timeline}
-
-        outcome = agree(self.comm, None, decide, f"rollback(step={step})", handshake=True)
-        base = self.reader.load(step, timeline) if self.rank == 0 else None
-        body = self.comm.broadcast_bytes(
-            base.encode() if base is not None else None, f"rollback(step={step}) base"
-        )
-        base = Manifest.decode(body, key=_key_of(body))
-        lineage.record(self.store, lineage.Position(base, int(outcome["timeline"])))
-        return int(outcome["timeline"])
+        return self._restorer.rollback(step, timeline=timeline)
 
     def latest_step(self) -> int | None:
         """The newest committed step (no shard checks), or None. Local: no collective."""
@@ -621,21 +440,7 @@ class CheckpointManager:
             return
         error: BaseException | None = None
         try:
-            handle = self._background.last
-            if abandon and handle is not None and self._background.busy:
-                handle.abandon()
-            error = self._background.settle()
-            if error is not None:
-                assert handle is not None
-                handle._observed = True
-                if abandon:
-                    if not isinstance(error, SaveAbandonedError):
-                        log.warning("the abandoned save of step %d had failed: %s", handle.step, error)
-                    error = None
-            elif abandon and handle is not None and handle.abandon_requested and handle.committed:
-                log.info("save of step %d was committed before the abandon request took effect", handle.step)
-            if error is not None and self.on_save_error == WARN and _is_save_failure(error):
-                error = None  # logged loudly when it happened (on_save_error="warn")
+            error = self._saver.settle_for_close(abandon=abandon)
         finally:
             self._closed = True
             self._staging.release()
@@ -645,11 +450,7 @@ class CheckpointManager:
                     # stores' retry budgets); abandon: the waiting one is dropped
                     self._mirror.close(wait=not abandon)
             finally:
-                self.comm.close()
-                if self._owns_store:
-                    self.store.close()
-                if self._owns_mirror and self._mirror_store is not None:
-                    self._mirror_store.close()
+                self._release_roots()
         if error is not None:
             raise error
 
@@ -673,178 +474,10 @@ class CheckpointManager:
         if self._closed:
             raise ValueError("this CheckpointManager is closed")
 
-    def _check_roots(self, *, write: bool) -> None:
-        """One cheap request per root on every rank (a probe write too when asked, rank 0 only);
-        decided on every rank alike. Raised: any problem of the primary without a mirror, and
-        configuration problems (missing bucket, permissions) of either root. With a mirror, a
-        primary that is unreachable past its retry budget is logged loudly instead: the first
-        restore then goes to the mirror without waiting for the primary again."""
-        from ..coordination.comm import agree
-        from ..errors import TransientError, decode_error, with_rank
-
-        report: dict[str, Any] = {}
-        for name, store in (("primary", self.store), ("mirror", self._mirror_store)):
-            if store is None:
-                continue
-            try:
-                store.check(write=write and self.rank == 0)
-            except Exception as exc:  # noqa: BLE001 - decided by every rank alike
-                report[name] = encode_error(exc)
-        mirrored = self._mirror_store is not None
-
-        def decide(results: list[dict[str, Any]]) -> dict[str, Any]:
-            down: dict[str, Any] | None = None
-            for name in ("primary", "mirror"):
-                for rank, result in enumerate(results):
-                    if name not in result:
-                        continue
-                    exc = decode_error(result[name])
-                    if mirrored and isinstance(exc, TransientError):
-                        if name == "primary" and down is None:
-                            down = result[name]
-                        continue  # the other root can stand in
-                    raise with_rank(exc, rank) if rank else exc
-            mirror_down = next((r["mirror"] for r in results if "mirror" in r), None)
-            if down is not None and mirror_down is not None:
-                raise decode_error(down)  # neither root answers
-            return {"primary_down": down, "mirror_down": mirror_down}
-
-        try:
-            outcome = agree(self.comm, report, decide, "store check", handshake=True)
-        except BaseException:
-            self.comm.close()
-            if self._owns_store:
-                self.store.close()
-            if self._owns_mirror and self._mirror_store is not None:
-                self._mirror_store.close()
-            raise
-        if outcome.get("mirror_down"):
-            log.error(
-                "the mirror run root %s is unreachable (%s): checkpoints are not mirrored until it is back",
-                self._mirror_store.location if self._mirror_store is not None else "",
-                decode_error(outcome["mirror_down"]),
-            )
-        if outcome.get("primary_down"):
-            down = decode_error(outcome["primary_down"])
-            log.error(
-                "THE PRIMARY RUN ROOT %s IS UNREACHABLE (%s); the first restore reads the mirror %s, saves go "
-                "to the primary (and fail until it is back)",
-                self.store.location,
-                down,
-                self._mirror_store.location if self._mirror_store is not None else "",
-            )
-            self._primary_down = down
-
-    def _settle(self) -> BaseException | None:
-        """Wait for the in-flight save_async; its unseen error, unless ``on_save_error="warn"``
-        already reported it (then it is marked seen and training goes on)."""
-        pending = self._background.settle()
-        if pending is not None and self.on_save_error == WARN and _is_save_failure(pending):
-            handle = self._background.last
-            if handle is not None:
-                handle._observed = True
-            return None
-        if pending is None and self._background.last is not None and self._background.last.done():
-            manifest = self._background.last._manifest
-            if manifest is not None:
-                self._last_valid = (manifest.step, _commit_time(manifest))
-        return pending
-
-    def _warn_failed(self, step: int, exc: BaseException) -> None:
-        last = self._last_valid
-        if last is None:
-            since = "no checkpoint of this run has been committed or restored yet: everything trained so far is at risk"
-        else:
-            since = f"the last valid checkpoint is step {last[0]}, committed {max(0.0, time.time() - last[1]):.0f} s ago"
-        log.error(
-            "CHECKPOINT NOT SAVED: step %d did not commit (%s: %s); training goes on (on_save_error='warn') and "
-            "the next due checkpoint tries again; %s",
-            step,
-            type(exc).__name__,
-            exc,
-            since,
-        )
-
-    def _capture(self, step: int, state: Mapping[str, Any]) -> tuple[shards.Capture | None, Exception | None]:
-        try:
-            cap = shards.capture(
-                step, state, rank=self.rank, world_size=self.world_size, replicated_names=self.replicated
-            )
-            cap.dedup, cap.compression = self.dedup, self._compression
-            return cap, None
-        except Exception as exc:  # noqa: BLE001 - every rank raises the same error after the handshake
-            return None, exc
-
-    def _begin(
-        self,
-        step: int,
-        cap: shards.Capture | None,
-        error: Exception | None,
-        pending: BaseException | None,
-        *,
-        kind: str,
-        busy: bool,
-    ) -> SaveTicket:
-        try:
-            return self._saves.begin(
-                step,
-                kind=kind,
-                error=error,
-                pending=pending,
-                busy=busy,
-                agree_on={"digests": cap.digests} if cap else {},
-                on_disagree=_not_replicated,
-            )
-        except BaseException as exc:
-            if pending is not None and exc is pending:
-                handle = self._background.last
-                if handle is not None:
-                    handle._observed = True
-            raise
-
-    def _finish(
-        self,
-        ticket: SaveTicket,
-        cap: shards.Capture,
-        options: Mapping[str, Any],
-        metadata: Mapping[str, Any] | None,
-        *,
-        blocking: float | None = None,
-    ) -> Manifest:
-        ticket.references.extend(cap.references)
-        started = time.monotonic()
-        try:
-            return self._finish_save(ticket, cap, options, metadata, blocking)
-        finally:
-            if cap.bytes_written and ticket.started:
-                # the upload bandwidth compression="auto" weighs its codecs against
-                self._compression.bandwidth = cap.bytes_written / max(1e-6, started - ticket.started)
-
-    def _finish_save(
-        self,
-        ticket: SaveTicket,
-        cap: shards.Capture,
-        options: Mapping[str, Any],
-        metadata: Mapping[str, Any] | None,
-        blocking: float | None,
-    ) -> Manifest:
-        manifest = self._saves.finish(
-            ticket,
-            progress=cap.progress,
-            topology=cap.topology(),
-            metadata={**self.metadata, **dict(metadata or {})},
-            blocking_seconds=blocking,
-            **options,
-        )
-        self._last_valid = (manifest.step, time.time())
-        return manifest
-
-    def _check_identity(self, manifest: Manifest) -> None:
-        saved = manifest.run.get("config_hash")
-        if self.config_hash is not None and saved is not None and saved != self.config_hash:
-            log.warning(
-                "restoring step %d written under config hash %s, this run's is %s",
-                manifest.step,
-                saved,
-                self.config_hash,
-            )
+    def _release_roots(self) -> None:
+        """Release the process groups and the stores this manager opened (not a given Store)."""
+        self.comm.close()
+        if self._owns_store:
+            self.store.close()
+        if self._owns_mirror and self._mirror_store is not None:
+            self._mirror_store.close()
