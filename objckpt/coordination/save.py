@@ -386,7 +386,7 @@ class SaveSession:
                 commit_seconds=now - wrote,
             )
         if comm.rank == 0:
-            self.retain()
+            self.retain(manifest)
         return manifest
 
     def _list_own(self, ticket: SaveTicket) -> list[dict[str, Any]]:
@@ -537,7 +537,10 @@ class SaveSession:
         lineage.record(self.store, lineage.Position(pos.base, claim.timeline))
         return claim.timeline, pos.base.ref
 
-    def retain(self) -> None:
-        """Apply the retention policy (rank 0, after a commit); logs instead of raising."""
+    def retain(self, committed: Manifest | None = None) -> None:
+        """Apply the retention policy (rank 0, after a commit); logs instead of raising.
+        ``committed``: the manifest this session just committed (its shards verified by the
+        commit, so retention does not HEAD them again)."""
         if self.retention is not None:
-            retain(self.store, self.retention, grace_period=self.grace_period)
+            verified = () if committed is None else (committed.ref,)
+            retain(self.store, self.retention, grace_period=self.grace_period, verified=verified)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from objckpt import gc
 from objckpt.coordination import RestoreSession, SaveSession, ThreadWorld
 from objckpt.coordination.comm import LocalComm
 from objckpt.errors import (
@@ -219,6 +220,28 @@ def test_retention_runs_after_each_commit_on_rank_0() -> None:
     for step in (10, 20, 30, 40):
         _save(store, world, step, retention=RetentionPolicy(keep_last=2))
     assert Reader(store).steps() == [30, 40]
+
+
+@pytest.mark.parametrize("world_size", [2, 16])
+def test_retention_after_a_commit_heads_none_of_the_shards_the_commit_verified(world_size: int) -> None:
+    store = CountingStore(memory_store())
+    world = ThreadWorld(world_size)
+    keep_one = RetentionPolicy(keep_last=1)
+    _save(store, world, 10, retention=keep_one)
+    store.reset()
+    _save(store, world, 20, retention=keep_one)
+    assert Reader(store).steps() == [20]  # retention ran and collected step 10
+    # the commit checked every shard of step 20 against the store (a LIST of its prefixes);
+    # before, retention then HEADed each of them again (world_size HEADs) to find the newest
+    # checkpoint that verifies
+    def shard_heads() -> int:
+        return sum(1 for op, key in store.calls if op == "head" and key.startswith("data/"))
+
+    assert shard_heads() == 0
+    # a retention run that did not make the commit still checks it (invariant 9)
+    store.reset()
+    gc.retain(store, keep_one)
+    assert shard_heads() == world_size
 
 
 @pytest.mark.parametrize("world_size", [1, 16])

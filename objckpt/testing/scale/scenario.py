@@ -228,11 +228,11 @@ class _InstrumentedSaveSession(SaveSession):
                 if tl is not None:
                     tl.advance(cpu)  # everyone waits for the coordinator's CPU
 
-    def retain(self) -> None:
+    def retain(self, committed: Manifest | None = None) -> None:
         tl = clock.current()
         with clock.phase("retain"):
             self.probe.retain_start = tl.now if tl else None
-            super().retain()
+            super().retain(committed)
             self.probe.retain_end = tl.now if tl else None
 
 

@@ -407,7 +407,7 @@ class ObjckptStorageWriter(StorageWriter):
         )
         # the next save of this process indexes this table without reading it back
         dedup.remember_value(self.store, self.manifest.step, self.manifest.attempt, CACHE_TAG, locations)
-        self.session.retain()
+        self.session.retain(self.manifest)
 
     def _reference(self, loc: _ItemLocation) -> Any:
         """The manifest reference for an item the parent holds (its own shard, or one it
