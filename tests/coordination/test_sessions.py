@@ -231,6 +231,7 @@ def test_retention_after_a_commit_heads_none_of_the_shards_the_commit_verified(w
     store.reset()
     _save(store, world, 20, retention=keep_one)
     assert Reader(store).steps() == [20]  # retention ran and collected step 10
+
     # the commit checked every shard of step 20 against the store (a LIST of its prefixes);
     # before, retention then HEADed each of them again (world_size HEADs) to find the newest
     # checkpoint that verifies
