@@ -104,13 +104,18 @@ class SaveRunner:
                 self.errors.warn_failed(step, exc)  # the same error on every rank: all go on alike
                 return None
             raise
+        self._record(step, cap, started)
+        return manifest
+
+    def _record(self, step: int, cap: shards.Capture, started: float, **extra: float) -> None:
+        """What :attr:`CheckpointManager.last_save` reports of the save that just committed."""
         self.last_save = {
             "step": step,
             "bytes": cap.bytes_written,
             "reused_bytes": cap.reused_bytes,
             "seconds": time.monotonic() - started,
+            **extra,
         }
-        return manifest
 
     def save_async(
         self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, *, skip: bool
@@ -155,13 +160,7 @@ class SaveRunner:
                 if self.errors.tolerates(exc):
                     self.errors.warn_failed(step, exc)
                 raise
-            self.last_save = {
-                "step": step,
-                "bytes": c.bytes_written,
-                "reused_bytes": c.reused_bytes,
-                "seconds": time.monotonic() - started,
-                "blocking_seconds": handle.blocking_seconds,
-            }
+            self._record(step, c, started, blocking_seconds=handle.blocking_seconds)
             return manifest
 
         self.background.start(handle, ticket, cap, stage_error=stage_error, finish=finish)
