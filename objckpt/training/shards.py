@@ -47,6 +47,7 @@ from ..manifest import Manifest, Reference, ShardReceipt
 from ..reader import Reader
 from ..writer import ShardWriter
 from . import dedup, replicated, serialization
+from ._ranged_restore import decode_ranged, ranged_applies
 from .codec import CompressionPolicy
 from .data import check_data_position
 from .state import (
@@ -378,6 +379,11 @@ def stage(
             dedup.remember(reader.store, manifest.step, manifest.attempt, receipt.rank, receipt.name, header)
 
         try:
+            if body is None and ranged_applies(reader.store, receipt):
+                # None: a shard this path does not read (compressed chunks), streamed below
+                decoded = decode_ranged(reader.store, receipt, resolver=resolver, on_header=keep)
+                if decoded is not None:
+                    return decoded
             return serialization.decode_stream(
                 [body] if body is not None else reader.open_shard(receipt),
                 total_size=receipt.size,
