@@ -22,8 +22,13 @@ the state at 512 MiB on LocalStack, BENCHMARKS.md section 5). Here, for one shar
    (:func:`objckpt._crc.crc32c_combine`, no byte read again) and the result is compared with
    the receipt. Only then is the tree built.
 
-Extra memory: the probe (and a header longer than it) plus ``window`` x (padding scratch +
-the store's per-slice buffer), whatever the shard's size.
+Extra memory: the probe (and a header longer than it) and the tail, plus per range in flight
+its padding scratch and what the store needs to receive it. Where the backend receives into
+memory that is at most one slice's temporaries (``S3Store``: urllib3's ``readinto``;
+``LocalStore``'s ``preadv``: none); where ``get_into`` falls back to the default
+``Store._read_into`` over ``_open`` it is the whole range, up to ``part_size`` (a wrapper that
+does not forward ``_read_into``: ``PrefixStore`` at the time of writing, which every s3:// run
+root with a prefix is). Never more than ``window x part_size``, whatever the shard's size.
 
 Format 3 (:mod:`._chunked`, what a deduplicating save writes): the probe holds the stub, the
 header and footer at the end are read by :func:`._chunked.read_header` (checked against the

@@ -309,9 +309,8 @@ def stage(
 
     A shard larger than one of the store's parts is read by ranged GETs straight into freshly
     allocated tensors, every byte CRC32C-checked against its receipt before the tree is built
-    (:mod:`._ranged_restore`: extra memory O(slice x read concurrency), not O(part x
-    concurrency)); smaller shards, compressed ones and those shared over ``comm`` are decoded
-    from their verified stream.
+    (:mod:`._ranged_restore`, which states its memory); smaller shards, compressed ones and
+    those shared over ``comm`` are decoded from their verified stream.
 
     ``strict=False``: see :func:`.state.check_restorable`; what was not loaded is in the
     returned ``report``.
