@@ -237,6 +237,12 @@ class PrefixStore(_Wrapper):
             stream = self.inner._open(self._full(key), start, end)  # a wrapper may fail here
         return self._relative_stream(stream)
 
+    def _read_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        # the inner backend's own scatter read (S3 readinto, file preadv), not the default that
+        # buffers each chunk of _open and copies it
+        with self._relative_errors():
+            return self.inner._read_into(self._full(key), start, buffers)
+
     def _relative_stream(self, stream: Iterator[bytes]) -> Iterator[bytes]:
         with self._relative_errors():
             yield from stream

@@ -189,6 +189,41 @@ def _view_ref(v: Any) -> ViewRef:
     return ViewRef(index, _TORCH_DTYPES[dtype], tuple(shape), tuple(stride), offset)
 
 
+#: where one array's bytes lie in the shard: (absolute offset, nbytes, destination array)
+Target = tuple[int, int, Any]
+
+
+def allocate_for(
+    header: dict[str, Any], header_end: int, total_size: int | None
+) -> tuple[list[Any], list[Target], int]:
+    """Check a format 1/2 ``header`` (parsed; its bytes end at ``header_end``) against the
+    shard's verified size, then allocate its (uninitialised) arrays. Returns the arrays, the
+    non-empty ones' byte ranges in the shard in order, and the shard's size as the header
+    describes it.
+
+    Raises:
+        SerializationError: a size that does not fit ``total_size`` or a malformed array table,
+            before anything is allocated.
+    """
+    data_size = header["data_size"]
+    if not _is_int(data_size) or data_size < 0:
+        raise _fail(f"bad data size {data_size!r}")
+    data_start = _align(header_end)
+    expected = data_start + data_size
+    # Invariant 11: a size declared inside the stored object is checked against the verified
+    # receipt BEFORE anything is allocated from it, so a hostile header (a huge tensor with a
+    # self-consistent receipt) is rejected as damage instead of exhausting memory.
+    if total_size is not None and expected != total_size:
+        raise _fail(f"header describes {expected} bytes but the shard has {total_size}")
+    arrays = _alloc_arrays(header["arrays"], data_size)
+    targets = [
+        (data_start + e["offset"], e["nbytes"], arrays[i])
+        for i, e in enumerate(header["arrays"])
+        if e["nbytes"]
+    ]
+    return arrays, targets, expected
+
+
 def decode_stream(
     chunks: Iterable[Buffer],
     *,
@@ -239,24 +274,9 @@ def decode_stream(
 
         rest = _chain_views(pending, it)
         return _decode_chunked(rest, pos, total_size, read_range, resolver, on_header)
-    data_size = header["data_size"]
-    if not _is_int(data_size) or data_size < 0:
-        raise _fail(f"bad data size {data_size!r}")
-    data_start = _align(pos)
-    expected = data_start + data_size
-    # Invariant 11: a size declared inside the stored object is checked against the verified
-    # receipt BEFORE anything is allocated from it, so a hostile header (a huge tensor with a
-    # self-consistent receipt) is rejected as damage instead of exhausting memory.
-    if total_size is not None and expected != total_size:
-        raise _fail(f"header describes {expected} bytes but the shard has {total_size}")
-    arrays = _alloc_arrays(header["arrays"], data_size)
+    arrays, targets, expected = allocate_for(header, pos, total_size)
 
     # Fill the arrays from the rest of the stream. `pos` is the absolute offset of `pending[0]`.
-    targets = [
-        (data_start + e["offset"], e["nbytes"], arrays[i])
-        for i, e in enumerate(header["arrays"])
-        if e["nbytes"]
-    ]
     ti = 0
     filled = 0  # bytes of targets[ti] already written
     views: dict[int, memoryview] = {}

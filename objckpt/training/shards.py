@@ -47,6 +47,7 @@ from ..manifest import Manifest, Reference, ShardReceipt
 from ..reader import Reader
 from ..writer import ShardWriter
 from . import dedup, replicated, serialization
+from ._ranged_restore import decode_ranged, ranged_applies
 from .codec import CompressionPolicy
 from .data import check_data_position
 from .state import (
@@ -306,6 +307,11 @@ def stage(
     of them itself. A checkpoint written through DCP (:mod:`.dcp`) is loaded through DCP's
     resharding (modules only, see :mod:`.dcp_bridge`), each rank reading what it needs.
 
+    A shard larger than one of the store's parts is read by ranged GETs straight into freshly
+    allocated tensors, every byte CRC32C-checked against its receipt before the tree is built
+    (:mod:`._ranged_restore`, which states its memory); smaller shards, compressed ones and
+    those shared over ``comm`` are decoded from their verified stream.
+
     ``strict=False``: see :func:`.state.check_restorable`; what was not loaded is in the
     returned ``report``.
 
@@ -378,6 +384,11 @@ def stage(
             dedup.remember(reader.store, manifest.step, manifest.attempt, receipt.rank, receipt.name, header)
 
         try:
+            if body is None and ranged_applies(reader.store, receipt):
+                # None: a shard this path does not read (compressed chunks), streamed below
+                decoded = decode_ranged(reader.store, receipt, resolver=resolver, on_header=keep)
+                if decoded is not None:
+                    return decoded
             return serialization.decode_stream(
                 [body] if body is not None else reader.open_shard(receipt),
                 total_size=receipt.size,
