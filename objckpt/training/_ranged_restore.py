@@ -26,9 +26,9 @@ Extra memory: the probe (and a header longer than it) and the tail, plus per ran
 its padding scratch and what the store needs to receive it. Where the backend receives into
 memory that is at most one slice's temporaries (``S3Store``: urllib3's ``readinto``;
 ``LocalStore``'s ``preadv``: none); where ``get_into`` falls back to the default
-``Store._read_into`` over ``_open`` it is the whole range, up to ``part_size`` (a wrapper that
-does not forward ``_read_into``: ``PrefixStore`` at the time of writing, which every s3:// run
-root with a prefix is). Never more than ``window x part_size``, whatever the shard's size.
+``Store._read_into`` over ``_open`` it is the whole range, up to ``part_size`` (a backend or
+wrapper without its own ``_read_into``; ``PrefixStore``, which every s3:// run root with a
+prefix is, forwards it). Never more than ``window x part_size``, whatever the shard's size.
 
 Format 3 (:mod:`._chunked`, what a deduplicating save writes): the probe holds the stub, the
 header and footer at the end are read by :func:`._chunked.read_header` (checked against the

@@ -47,6 +47,7 @@ from ..manifest import Manifest, Reference, ShardReceipt
 from ..reader import Reader
 from ..writer import ShardWriter
 from . import dedup, replicated, serialization
+from ._elastic_restore import apply_elastic_rule, refuse_unpartitionable_positions
 from ._ranged_restore import decode_ranged, ranged_applies
 from .codec import CompressionPolicy
 from .data import check_data_position
@@ -354,7 +355,9 @@ def stage(
     failed: Exception | None = None
     try:
         if elastic:
-            _refuse_positions(state, local_names, reshardable, manifest.step, saved_world, world_size, rank)
+            refuse_unpartitionable_positions(
+                state, local_names, reshardable, manifest.step, saved_world, world_size, rank
+            )
         try:
             rank_receipts = [manifest.shard(r, RANK_SHARD) for r in ranks]
         except KeyError as exc:
@@ -408,7 +411,7 @@ def stage(
     items = dict(mine_items)
     report = RestoreReport(step=manifest.step, saved_world_size=saved_world, world_size=world_size)
     if elastic:
-        report.per_rank = _elastic(
+        report.per_rank = apply_elastic_rule(
             state, items, per_rank, reshardable, manifest.step, rank, saved_world, world_size
         )
         if rank >= saved_world:
@@ -443,66 +446,6 @@ def _local_items(decoded: Any, receipt: ShardReceipt) -> tuple[Mapping[str, Any]
         except (ManifestError, SerializationError) as exc:
             raise ManifestError(f"{receipt.key}: {exc}", key=receipt.key) from exc
     return items, decoded.get("rng")
-
-
-def _refuse_positions(
-    state: Mapping[str, Any],
-    local_names: list[str],
-    reshardable: list[str],
-    step: int,
-    saved_world: int,
-    world_size: int,
-    rank: int,
-) -> None:
-    from torch.utils.data import DataLoader, Sampler
-
-    for name in local_names:
-        obj = state[name]
-        if name not in reshardable and isinstance(obj, (DataLoader, Sampler)):
-            raise TrainingStateError(
-                f"cannot restore checkpoint step {step} (written by {saved_world} rank(s)) on rank {rank} of "
-                f"{world_size}: state[{name!r}] is a {type(obj).__qualname__}, whose position cannot be "
-                "re-partitioned across world sizes (it would repeat or skip samples). Use "
-                "objckpt.training.ResumableDataLoader / ResumableDistributedSampler, or restore at "
-                f"{saved_world} rank(s)"
-            )
-
-
-def _elastic(
-    state: Mapping[str, Any],
-    items: dict[str, Any],
-    per_rank: Mapping[int, tuple[Mapping[str, Any], Any]],
-    reshardable: list[str],
-    step: int,
-    rank: int,
-    saved_world: int,
-    world_size: int,
-) -> str:
-    """Apply the elastic rule to ``items`` (this rank's per-rank items); returns how."""
-    for name in reshardable:
-        states = [per_rank[r][0].get(name) for r in range(saved_world)]
-        absent = [r for r, s in enumerate(states) if s is None]
-        if absent:
-            if len(absent) == saved_world:
-                continue  # not in the checkpoint at all: check_restorable reports it
-            raise ManifestError(
-                f"checkpoint step {step}: state[{name!r}] is missing from the shards of ranks {absent}"
-            )
-        try:
-            items[name] = state[name].reshard_state(states, num_replicas=world_size, rank=rank)
-        except TrainingStateError as exc:
-            raise TrainingStateError(
-                f"cannot re-partition state[{name!r}] of checkpoint step {step} from {saved_world} to "
-                f"{world_size} rank(s) (rank {rank}): {exc}"
-            ) from exc
-    how = f"step {step} was written by {saved_world} rank(s), restored by {world_size}: "
-    if rank < saved_world:
-        how += f"rank {rank} keeps its own per-rank state and RNG"
-    else:
-        how += f"rank {rank} is new: per-rank state from rank 0, generators and RNG seeded from rank 0's and the rank"
-    if reshardable:
-        how += f"; {reshardable} re-partitioned from every rank's consumed samples"
-    return how
 
 
 def apply(state: Mapping[str, Any], staged: Staged, *, rank: int) -> RestoreReport:
