@@ -168,21 +168,13 @@ RESTORE_PART = 5 * MiB
 RESTORE_WINDOW = 4
 
 
-def test_checkpoint_manager_restore_reads_into_the_staged_tensors(tmp_path: Path) -> None:
-    """A restore stages a copy of the state (torch memory, outside the Python heap) and reads
-    every shard larger than one part straight into it (``training._ranged_restore``; file://
-    receives into the buffers with ``preadv``): its extra heap is the probe and tail reads plus,
-    per ranged read in flight, at most one ``SLICE_BYTES`` buffer (what an S3 client allocates
-    per ``readinto``, copied up to three times on the way), whatever the state's size."""
-    torch = pytest.importorskip("torch")
-    from objckpt.store import open_store
-    from objckpt.training._chunked import TAIL_READ
-    from objckpt.training._ranged_restore import PROBE_BYTES, SLICE_BYTES
+def _restore_peak(store: Any) -> int:
+    """Save 40 MiB of parameters through ``store``, zero them, restore them; the restore's peak
+    of extra Python heap (tracemalloc). Closes ``store``."""
+    import torch
+
     from objckpt.training.manager import CheckpointManager
 
-    store = open_store(
-        f"file://{tmp_path / 'run'}", part_size=str(RESTORE_PART), max_in_flight=str(RESTORE_WINDOW)
-    )
     params = [torch.full((MiB,), float(i)) for i in range(10)]  # 10 x 4 MiB
     model = torch.nn.ParameterList([torch.nn.Parameter(p, requires_grad=False) for p in params])
     with CheckpointManager(store, keep_last=None) as mgr:
@@ -200,6 +192,24 @@ def test_checkpoint_manager_restore_reads_into_the_staged_tensors(tmp_path: Path
             tracemalloc.stop()
     store.close()
     assert all(torch.equal(p, torch.full((MiB,), float(i))) for i, p in enumerate(model))
+    return int(peak)
+
+
+def test_checkpoint_manager_restore_reads_into_the_staged_tensors(tmp_path: Path) -> None:
+    """A restore stages a copy of the state (torch memory, outside the Python heap) and reads
+    every shard larger than one part straight into it (``training._ranged_restore``; file://
+    receives into the buffers with ``preadv``): its extra heap is the probe and tail reads plus,
+    per ranged read in flight, at most one ``SLICE_BYTES`` buffer (what an S3 client allocates
+    per ``readinto``, copied up to three times on the way), whatever the state's size."""
+    pytest.importorskip("torch")
+    from objckpt.store import open_store
+    from objckpt.training._chunked import TAIL_READ
+    from objckpt.training._ranged_restore import PROBE_BYTES, SLICE_BYTES
+
+    store = open_store(
+        f"file://{tmp_path / 'run'}", part_size=str(RESTORE_PART), max_in_flight=str(RESTORE_WINDOW)
+    )
+    peak = _restore_peak(store)
     bound = PROBE_BYTES + TAIL_READ + RESTORE_WINDOW * 3 * SLICE_BYTES + SLACK
     assert peak < bound, (
         f"CheckpointManager.restore of 40 MiB peaked at {peak / MiB:.2f} MiB of extra heap; "
@@ -215,33 +225,16 @@ def test_checkpoint_manager_restore_on_s3_reads_into_the_staged_tensors(
     into the staged tensors (measured 4.4 MiB of extra heap). Through a wrapper that fell back
     to ``_open`` every GET in flight held its whole part as ``bytes`` (measured 20.3 MiB), as
     streaming the parts did (``read_concurrency + 1`` of them)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from objckpt.store import open_store
     from objckpt.store.wrappers import PrefixStore
     from objckpt.training._chunked import TAIL_READ
     from objckpt.training._ranged_restore import PROBE_BYTES, SLICE_BYTES
-    from objckpt.training.manager import CheckpointManager
 
     opts = f"part_size={RESTORE_PART}&max_in_flight={RESTORE_WINDOW}&read_concurrency={RESTORE_WINDOW}"
     store = open_store(backend_s3_localstack.uri_for(f"restore-bound-{tmp_path.name}") + "&" + opts)
     assert isinstance(store, PrefixStore)
-    params = [torch.full((MiB,), float(i)) for i in range(10)]  # 10 x 4 MiB
-    model = torch.nn.ParameterList([torch.nn.Parameter(p, requires_grad=False) for p in params])
-    with CheckpointManager(store, keep_last=None) as mgr:
-        mgr.save(1, {"model": model})
-        with torch.no_grad():
-            for p in model:
-                p.zero_()
-        tracemalloc.start()
-        try:
-            base = tracemalloc.get_traced_memory()[0]
-            tracemalloc.reset_peak()
-            assert mgr.restore({"model": model}) == 1
-            peak = tracemalloc.get_traced_memory()[1] - base
-        finally:
-            tracemalloc.stop()
-    store.close()
-    assert all(torch.equal(p, torch.full((MiB,), float(i))) for i, p in enumerate(model))
+    peak = _restore_peak(store)
     bound = PROBE_BYTES + TAIL_READ + RESTORE_WINDOW * 3 * SLICE_BYTES + SLACK
     assert bound < RESTORE_WINDOW * RESTORE_PART  # below what whole parts in flight would hold
     assert peak < bound, (
