@@ -228,3 +228,33 @@ def test_the_indexed_memory_store_lists_like_memory_store() -> None:
                 a = plain._list_page(prefix, start_after, limit)
                 b = indexed._list_page(prefix, start_after, limit)
                 assert [m.key for m in a[0]] == [m.key for m in b[0]] and a[1] == b[1]
+
+
+def test_tenacitys_thread_locals_stay_per_thread_under_the_cheap_stand_in() -> None:
+    import tenacity
+
+    with clock.virtual_time():
+        assert tenacity.threading.local is not threading.local  # the stand-in (see clock)
+        retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(3), reraise=True)
+        calls = []
+
+        def flaky() -> int:
+            calls.append(1)
+            if len(calls) < 2:
+                raise ValueError("once")
+            return 7
+
+        assert retrying(flaky) == 7
+        seen: list[object] = []
+        other = threading.Thread(target=lambda: seen.append(retrying.statistics))
+        other.start()
+        other.join()
+        # this thread's statistics are its own; another thread starts with none
+        assert retrying.statistics["attempt_number"] == 2
+        assert seen == [{}]
+        local = tenacity.threading.local()
+        local.x = 1
+        assert hasattr(local, "x") and not hasattr(local, "y")
+        del local.x
+        assert not hasattr(local, "x")
+    assert tenacity.threading is threading
