@@ -46,6 +46,7 @@ from ...errors import CommitError
 from ...gc import RetentionPolicy
 from ...manifest import Manifest
 from ...reader import Reader
+from ...store.pacing import Pacer
 from . import clock
 from .adapter import Adapter, RankIO
 from .decoding import charged_parsing
@@ -473,10 +474,13 @@ def run_scenario(
         max_requests=options.max_requests,
     )
     # one AIMD pacer shared by every simulated rank would throttle them all together, and it
-    # would see real (not virtual) requests in flight: off, in every scenario (see .fixes)
+    # would see real (not virtual) requests in flight: the store objects' own pacing is off; with
+    # aimd_pacing the simulated store drives one real Pacer per rank (see .fixes)
     for s in (store, store.inner):
         s.pacing = None
         s.auto_part_size = options.auto_part_size
+    if switches.pacing:
+        store.pacer_factory = Pacer
     adapter = Adapter(options, switches)
     saves: list[PhaseResult] = []
     restore: PhaseResult | None = None

@@ -16,7 +16,7 @@ import bisect
 import collections
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from ... import layout
 from ...errors import TransientError
 from ...store.base import Store
 from ...store.memory import MemoryStore
+from ...store.pacing import Pacer
 from ...store.wrappers import _Wrapper
 from . import clock
 from .model import Network, NetworkModel, RateModel, StoreProfile
@@ -248,6 +249,14 @@ class SimulatedStore(_Wrapper):
         self.recorder = Recorder()
         self.max_requests = max_requests
         self.throttle = True
+        #: AIMD pacing per simulated rank (``aimd_pacing``): a factory of the library's
+        #: :class:`~objckpt.store.pacing.Pacer`, one made per rank (``None``: off). The store's
+        #: own ``pacing`` stays off: one Pacer would be shared by every rank and count real
+        #: requests in flight, where a rank's concurrency is virtual lanes of one thread.
+        self.pacer_factory: Callable[[], Pacer] | None = None
+        self.pacers: dict[int | None, Pacer] = {}
+        #: rank -> (virtual time its last cut's answer arrived, the epoch before that cut)
+        self._cuts: dict[int | None, tuple[float, int]] = {}
         self._rec_lock = threading.Lock()
         self.add_retry_listener(self._on_retry)
 
@@ -284,8 +293,32 @@ class SimulatedStore(_Wrapper):
                     f"the simulation exceeded its budget of {self.max_requests:,} requests"
                 )
 
+    def _paced(self, tl: clock.Timeline) -> tuple[Pacer, int, int] | None:
+        """Wait (virtually) for one of the rank's pacing slots: until fewer of its other lanes'
+        requests are in flight than its Pacer's limit. The Pacer, the epoch and the number in
+        flight (this one included) to report the answer with; ``None``: pacing off."""
+        if self.pacer_factory is None:
+            return None
+        with self._rec_lock:
+            pacer = self.pacers.get(tl.rank)
+            if pacer is None:
+                pacer = self.pacers[tl.rank] = self.pacer_factory()
+        limit = max(1, int(pacer.limit))
+        others = sorted(e for e in (tl.lanes or ()) if e > tl.now)
+        if len(others) >= limit:
+            pacer.waits += 1
+            tl.advance_to(others[len(others) - limit])  # enough of them have finished by then
+            others = [e for e in others if e > tl.now]
+        epoch = pacer.epoch
+        cut = self._cuts.get(tl.rank)
+        if cut is not None and tl.now < cut[0]:
+            # the answer that cut the limit is still on its way: this try starts before the cut
+            epoch = cut[1]
+        return pacer, epoch, len(others) + 1
+
     def _invoke(self, op: str, key: str, keys: list[str] | None, fn: Any, *args: Any) -> Any:
         tl = clock.current()
+        paced = self._paced(tl) if tl is not None else None
         if tl is not None:
             clock.before_request()  # requests reach the rate limiter in virtual-time order (to within the lag)
         self._record(op, key, tl)
@@ -295,6 +328,12 @@ class SimulatedStore(_Wrapper):
         net = self.network_model
         if self.throttle:
             ok, scopes = self.rates.admit("write" if kind == "write" else "read", keys or [key], tl.now)
+            if paced is not None:
+                pacer, epoch, flight = paced
+                cuts = pacer.decreases
+                pacer.feedback(epoch, throttled=not ok, in_flight=flight)
+                if pacer.decreases != cuts:
+                    self._cuts[tl.rank] = (tl.now + net.error_latency_s, epoch)
             if not ok:
                 with self._rec_lock:
                     self.recorder.slowdowns[(tl.phase, op)] += 1
@@ -306,6 +345,8 @@ class SimulatedStore(_Wrapper):
                     location=self.location,
                     operation=op,
                 )
+        elif paced is not None:
+            paced[0].feedback(paced[1], throttled=False, in_flight=paced[2])
         tl.advance(net.latency_s(kind))
         sent = _payload_bytes(args)
         if sent:
