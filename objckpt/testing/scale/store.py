@@ -61,27 +61,41 @@ def _inner(fn: Any, *args: Any) -> Any:
 
 
 class _Objects(dict):  # type: ignore[type-arg]
-    """MemoryStore's object table, counting mutations (so a sorted key list can be cached)."""
+    """MemoryStore's object table, keeping its keys sorted as they come and go (a new key is
+    inserted in place, a removed one taken out: the sort is never redone, which with ranks
+    LISTing their own prefixes between other ranks' PUTs would be once per LIST)."""
 
-    version = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys_sorted: list[str] = []
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self:
+            bisect.insort(self.keys_sorted, key)
         super().__setitem__(key, value)
-        self.version += 1
 
     def __delitem__(self, key: Any) -> None:
         super().__delitem__(key)
-        self.version += 1
+        self._forget(key)
 
     def pop(self, key: Any, *default: Any) -> Any:
-        self.version += 1
-        return super().pop(key, *default)
+        present = key in self
+        value = super().pop(key, *default)
+        if present:
+            self._forget(key)
+        return value
+
+    def _forget(self, key: str) -> None:
+        i = bisect.bisect_left(self.keys_sorted, key)
+        if i < len(self.keys_sorted) and self.keys_sorted[i] == key:
+            del self.keys_sorted[i]
 
 
 class IndexedMemoryStore(MemoryStore):
-    """A :class:`MemoryStore` whose LIST pages bisect a cached sorted key list instead of sorting
-    every key on every page (at 16,384 ranks x 8 shards that sort dominates the simulation's
-    CPU). Same results as ``MemoryStore``; falls back to it if its object table is not a dict."""
+    """A :class:`MemoryStore` whose LIST pages bisect a sorted key list kept up to date
+    (:class:`_Objects`) instead of sorting every key on every page (at 16,384 ranks x 8 shards
+    that sort dominates the simulation's CPU). Same results as ``MemoryStore``; falls back to
+    it if its object table is not a dict."""
 
     def __init__(self, name: str = "", **options: Any) -> None:
         super().__init__(name, **options)
@@ -89,8 +103,6 @@ class IndexedMemoryStore(MemoryStore):
         self._indexed = isinstance(objects, dict) and not objects
         if self._indexed:
             self._objects = _Objects()
-        self._sorted: list[str] = []
-        self._sorted_version = -1
 
     def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[Any], bool]:
         if not self._indexed:
@@ -98,10 +110,7 @@ class IndexedMemoryStore(MemoryStore):
         with self._lock:
             objects = self._objects
             assert isinstance(objects, _Objects)
-            if self._sorted_version != objects.version:
-                self._sorted = sorted(objects)
-                self._sorted_version = objects.version
-            keys = self._sorted
+            keys = objects.keys_sorted
             if start_after is not None and start_after >= prefix:
                 i = bisect.bisect_right(keys, start_after)
             else:
