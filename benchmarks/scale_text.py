@@ -42,6 +42,13 @@ SIMULATOR = [
     "threads run one at a time, earliest virtual time first (a baton handed over within a 0.25 s lag), "
     "so requests reach the rate limiter in time order. Charged CPU: the coordinator's `commit` (thread "
     "CPU minus the in-memory store's) and every manifest parse.",
+    "",
+    "**Real time at thousands of threads**: tenacity builds a `Retrying`, and with it a "
+    "`threading.local`, for every request; CPython frees a `threading.local` by walking every live "
+    "thread (measured here: 0.8 us at 0 threads, 0.76 ms at 4,096, 2.4 ms at 16,384), so inside the "
+    "simulation tenacity's `threading.local` is a dict keyed by thread (the same semantics, tested), and "
+    "the simulated ranks run on daemon threads (starting or joining a non-daemon thread walks every live "
+    "one). Neither changes a request.",
 ]
 
 
@@ -70,7 +77,8 @@ def model_table() -> list[str]:
         f"| collectives | {net.collective_latency_s * 1e6:g} us per tree level + {net.collective_bandwidth / 1e9:g} GB/s | same | assumed |",
         f"| retry policy | the library's default: {retry.deadline:g} s deadline per request, backoff {retry.initial_backoff:g} s "
         f"doubling to {retry.max_backoff:g} s with full jitter, at most {retry.max_attempts:,} tries | same | `objckpt/_retry.py` |",
-        "| AIMD pacing (`Store.pacing`) | off (not modelled, see Fixes) | off | - |",
+        "| AIMD pacing (`Store.pacing`) | *after*: the library's `Pacer`, one per simulated rank, told the "
+        "rank's virtual requests in flight (`Pacer.feedback`); *before*: off | same | `objckpt/store/pacing.py` |",
     ]
 
 
@@ -80,12 +88,13 @@ HOOKS = [
     "- **An injectable clock/sleep** (`RetryPolicy(sleep=, monotonic=)`, and for `Store.get_stream`'s "
     "resume loop and the sessions' timestamps): the simulator replaces the `time` module inside "
     "tenacity, `objckpt.store.base` and the sessions instead.",
-    "- **AIMD pacing with virtual concurrency**: `store.pacing.Pacer` counts real requests in flight "
-    "and waits on a real condition variable; a simulated rank issues its concurrent requests as virtual "
-    "lanes of one thread, so the Pacer would see 1 in flight and cut its limit to 1 on the first "
-    "SlowDown (and one Pacer per store object would be shared by every simulated rank). A Pacer that "
-    "takes the in-flight count and a clock from its caller, or a limit a caller can read to size its "
-    "own concurrency (as `shards.stage`'s pool could), would let the simulator drive the real one.",
+    "- **AIMD pacing with virtual concurrency** (added: `Pacer.epoch` and `Pacer.feedback(epoch, "
+    "throttled=, in_flight=)`): `Pacer.acquire`/`release` count real requests in flight and wait on a "
+    "real condition variable, while a simulated rank issues its concurrent requests as virtual lanes of "
+    "one thread. The simulator now counts each rank's lanes in flight itself, waits for a slot on the "
+    "rank's virtual clock and reports every try's answer to a real `Pacer` per rank (one Pacer per store "
+    "object would be shared by every simulated rank, so the store's own `pacing` stays off). Not "
+    "covered: retention's pool of 16 HEADs counts as 1 in flight.",
     "- **A byte path on `Comm` without per-shard collectives**: `read_shared` makes one broadcast per "
     "replicated shard, W of them per restore (a broadcast of all of a rank's shards at once, or an "
     "all-gather, would make it one collective per rank); the simulator models each broadcast's "

@@ -120,6 +120,25 @@ class Pacer:
             self._feedback(epoch, throttled, self._in_flight + 1)
             self._cond.notify_all()
 
+    @property
+    def epoch(self) -> int:
+        """The epoch a request starting now begins in (bumped by every decrease)."""
+        with self._cond:
+            return self._epoch
+
+    def feedback(self, epoch: int, *, throttled: bool, in_flight: int) -> None:
+        """The outcome of a request that the caller admitted itself: a caller that keeps its own
+        count of requests in flight and its own clock (the scale simulator, whose concurrent
+        requests of one rank are virtual lanes of one thread) reads :attr:`limit` and
+        :attr:`epoch`, waits for a slot on its own clock, and reports here with the number of
+        its requests in flight then (this one included). The AIMD arithmetic is the one
+        :meth:`release` applies to requests of real threads."""
+        if in_flight < 1:
+            raise ValueError(f"in_flight counts the request itself, got {in_flight}")
+        with self._cond:
+            self._feedback(epoch, throttled, in_flight)
+            self._cond.notify_all()
+
     def _feedback(self, epoch: int, throttled: bool, flight: int) -> None:
         if throttled:
             self.throttled += 1

@@ -217,14 +217,54 @@ def test_the_indexed_memory_store_lists_like_memory_store() -> None:
     rng = random.Random(7)
     plain, indexed = MemoryStore("a"), IndexedMemoryStore("b")
     keys = {f"{rng.choice('abc')}/{rng.randrange(50):02d}/{rng.randrange(9)}" for _ in range(400)}
-    for key in sorted(keys, key=lambda _: rng.random()):
+
+    def same_listings() -> None:
+        for prefix in ("", "a/", "b/1", "c/49/", "zz"):
+            for start_after in (None, "", "a", "b/20", "c/49/8"):
+                for limit in (1, 7, 1000):
+                    a = plain._list_page(prefix, start_after, limit)
+                    b = indexed._list_page(prefix, start_after, limit)
+                    assert [m.key for m in a[0]] == [m.key for m in b[0]] and a[1] == b[1]
+
+    # the index is kept up to date between LISTs: puts (new keys and overwrites) and deletes
+    for i, key in enumerate(sorted(keys, key=lambda _: rng.random())):
         plain.put(key, b"x")
         indexed.put(key, b"x")
+        if i % 97 == 0:
+            indexed.put(key, b"y")
+            plain.put(key, b"y")
+            same_listings()
+    same_listings()
     plain.delete(list(keys)[:50])
     indexed.delete(list(keys)[:50])
-    for prefix in ("", "a/", "b/1", "c/49/", "zz"):
-        for start_after in (None, "", "a", "b/20", "c/49/8"):
-            for limit in (1, 7, 1000):
-                a = plain._list_page(prefix, start_after, limit)
-                b = indexed._list_page(prefix, start_after, limit)
-                assert [m.key for m in a[0]] == [m.key for m in b[0]] and a[1] == b[1]
+    same_listings()
+
+
+def test_tenacitys_thread_locals_stay_per_thread_under_the_cheap_stand_in() -> None:
+    import tenacity
+
+    with clock.virtual_time():
+        assert tenacity.threading.local is not threading.local  # the stand-in (see clock)
+        retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(3), reraise=True)
+        calls = []
+
+        def flaky() -> int:
+            calls.append(1)
+            if len(calls) < 2:
+                raise ValueError("once")
+            return 7
+
+        assert retrying(flaky) == 7
+        seen: list[object] = []
+        other = threading.Thread(target=lambda: seen.append(retrying.statistics))
+        other.start()
+        other.join()
+        # this thread's statistics are its own; another thread starts with none
+        assert retrying.statistics["attempt_number"] == 2
+        assert seen == [{}]
+        local = tenacity.threading.local()
+        local.x = 1
+        assert hasattr(local, "x") and not hasattr(local, "y")
+        del local.x
+        assert not hasattr(local, "x")
+    assert tenacity.threading is threading

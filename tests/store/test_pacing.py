@@ -76,6 +76,21 @@ def test_one_overload_cuts_the_limit_once_from_the_requests_in_flight():
     assert pacer.decreases == 2
 
 
+def test_a_caller_counting_its_own_requests_in_flight_gets_the_same_arithmetic():
+    # the scale simulator's hook: it counts a rank's (virtual) requests in flight itself
+    real, told = Pacer(limit=64), Pacer(limit=64)
+    epochs = [real.acquire() for _ in range(8)]
+    for e in epochs:
+        real.release(e, throttled=True)
+    for flight in range(8, 0, -1):  # the same 8 answers, from 8 in flight down to 1
+        told.feedback(0, throttled=True, in_flight=flight)
+    assert (told.limit, told.decreases, told.throttled, told.epoch) == (real.limit, 1, 8, 1) == (4.0, 1, 8, 1)
+    told.feedback(told.epoch, throttled=False, in_flight=1)
+    assert told.limit == 4.25 and told.waits == 0
+    with pytest.raises(ValueError):
+        told.feedback(told.epoch, throttled=True, in_flight=0)
+
+
 def test_successes_raise_the_limit_additively_up_to_its_maximum():
     pacer = Pacer(limit=8)
     pacer.release(pacer.acquire(), throttled=True)  # from 1 in flight: down to the floor

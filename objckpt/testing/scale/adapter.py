@@ -24,6 +24,7 @@ retry policy and reader; only their size is chosen small (see ``NetworkModel.byt
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -158,13 +159,18 @@ class Adapter:
         assert tl is not None
         lanes = [tl.now] * max(1, self.options.write_lanes)
         written = 0
-        for name in self.names:
-            i = min(range(len(lanes)), key=lanes.__getitem__)
-            tl.set(lanes[i])
-            data = self.payload(step, rank, name)
-            writer.write(name, data)
-            written += len(data)
-            lanes[i] = tl.now
+        tl.lanes = lanes
+        try:
+            for name in self.names:
+                i = min(range(len(lanes)), key=lanes.__getitem__)
+                tl.set(lanes[i])
+                lanes[i] = -math.inf  # running: not one of the others in flight
+                data = self.payload(step, rank, name)
+                writer.write(name, data)
+                written += len(data)
+                lanes[i] = tl.now
+        finally:
+            tl.lanes = None
         tl.set(max(lanes))
         with self.io.lock:
             self.io.written_bytes[rank] = written
@@ -285,14 +291,17 @@ class Adapter:
         lanes = [tl.now] * max(1, self.options.read_lanes)
         done = 0
         stop = self.options.stop_restore_on_failure
+        tl.lanes = lanes
         try:
             for r in receipts:
                 if stop and self.io.errors:
                     raise _Stopped()
                 i = min(range(len(lanes)), key=lanes.__getitem__)
                 tl.set(lanes[i])
+                lanes[i] = -math.inf  # running: not one of the others in flight
                 done += len(reader.read_shard(r))
                 lanes[i] = tl.now
         finally:
+            tl.lanes = None
             tl.set(max(max(lanes), tl.now))
         return done

@@ -44,6 +44,7 @@ class Switches:
     key_spreading: bool = False
     verify: str = "coordinator"
     replicated_read: str = "every"
+    pacing: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ def _read_once(s: Switches) -> None:
 
 def _verify_ranks(s: Switches) -> None:
     s.verify = "ranks"
+
+
+def _pacing(s: Switches) -> None:
+    s.pacing = True
 
 
 FIXES: tuple[Fix, ...] = (
@@ -128,11 +133,14 @@ FIXES: tuple[Fix, ...] = (
         title="adaptive concurrency on SlowDown (AIMD limit on a rank's requests in flight)",
         goal="0 SlowDowns surfaced",
         switch="Store.pacing = store.pacing.Pacer()",
+        enable=_pacing,
         note=(
-            "built in the library, not modelled: a simulated rank's concurrency is virtual lanes "
-            "on one thread, so the real Pacer would see 1 request in flight and cut its limit to 1 "
-            "on the first SlowDown; the simulator turns pacing off (`store.pacing = None`) in "
-            "every scenario (see the hooks section)"
+            "modelled per simulated rank: the library's Pacer, one per rank, told the rank's "
+            "virtual requests in flight (`Pacer.feedback`); a try waits on the virtual clock "
+            "until fewer of its rank's lanes are in flight than the limit. The store object's own "
+            "`pacing` stays off (one object serves every simulated rank). Lanes: a restore's 8 "
+            "reads; writes are one at a time (as `shards.write`), and retention's pool of 16 "
+            "HEADs counts as 1 in flight"
         ),
     ),
 )

@@ -16,7 +16,7 @@ import bisect
 import collections
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from ... import layout
 from ...errors import TransientError
 from ...store.base import Store
 from ...store.memory import MemoryStore
+from ...store.pacing import Pacer
 from ...store.wrappers import _Wrapper
 from . import clock
 from .model import Network, NetworkModel, RateModel, StoreProfile
@@ -60,27 +61,41 @@ def _inner(fn: Any, *args: Any) -> Any:
 
 
 class _Objects(dict):  # type: ignore[type-arg]
-    """MemoryStore's object table, counting mutations (so a sorted key list can be cached)."""
+    """MemoryStore's object table, keeping its keys sorted as they come and go (a new key is
+    inserted in place, a removed one taken out: the sort is never redone, which with ranks
+    LISTing their own prefixes between other ranks' PUTs would be once per LIST)."""
 
-    version = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys_sorted: list[str] = []
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self:
+            bisect.insort(self.keys_sorted, key)
         super().__setitem__(key, value)
-        self.version += 1
 
     def __delitem__(self, key: Any) -> None:
         super().__delitem__(key)
-        self.version += 1
+        self._forget(key)
 
     def pop(self, key: Any, *default: Any) -> Any:
-        self.version += 1
-        return super().pop(key, *default)
+        present = key in self
+        value = super().pop(key, *default)
+        if present:
+            self._forget(key)
+        return value
+
+    def _forget(self, key: str) -> None:
+        i = bisect.bisect_left(self.keys_sorted, key)
+        if i < len(self.keys_sorted) and self.keys_sorted[i] == key:
+            del self.keys_sorted[i]
 
 
 class IndexedMemoryStore(MemoryStore):
-    """A :class:`MemoryStore` whose LIST pages bisect a cached sorted key list instead of sorting
-    every key on every page (at 16,384 ranks x 8 shards that sort dominates the simulation's
-    CPU). Same results as ``MemoryStore``; falls back to it if its object table is not a dict."""
+    """A :class:`MemoryStore` whose LIST pages bisect a sorted key list kept up to date
+    (:class:`_Objects`) instead of sorting every key on every page (at 16,384 ranks x 8 shards
+    that sort dominates the simulation's CPU). Same results as ``MemoryStore``; falls back to
+    it if its object table is not a dict."""
 
     def __init__(self, name: str = "", **options: Any) -> None:
         super().__init__(name, **options)
@@ -88,8 +103,6 @@ class IndexedMemoryStore(MemoryStore):
         self._indexed = isinstance(objects, dict) and not objects
         if self._indexed:
             self._objects = _Objects()
-        self._sorted: list[str] = []
-        self._sorted_version = -1
 
     def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[Any], bool]:
         if not self._indexed:
@@ -97,10 +110,7 @@ class IndexedMemoryStore(MemoryStore):
         with self._lock:
             objects = self._objects
             assert isinstance(objects, _Objects)
-            if self._sorted_version != objects.version:
-                self._sorted = sorted(objects)
-                self._sorted_version = objects.version
-            keys = self._sorted
+            keys = objects.keys_sorted
             if start_after is not None and start_after >= prefix:
                 i = bisect.bisect_right(keys, start_after)
             else:
@@ -248,6 +258,14 @@ class SimulatedStore(_Wrapper):
         self.recorder = Recorder()
         self.max_requests = max_requests
         self.throttle = True
+        #: AIMD pacing per simulated rank (``aimd_pacing``): a factory of the library's
+        #: :class:`~objckpt.store.pacing.Pacer`, one made per rank (``None``: off). The store's
+        #: own ``pacing`` stays off: one Pacer would be shared by every rank and count real
+        #: requests in flight, where a rank's concurrency is virtual lanes of one thread.
+        self.pacer_factory: Callable[[], Pacer] | None = None
+        self.pacers: dict[int | None, Pacer] = {}
+        #: rank -> (virtual time its last cut's answer arrived, the epoch before that cut)
+        self._cuts: dict[int | None, tuple[float, int]] = {}
         self._rec_lock = threading.Lock()
         self.add_retry_listener(self._on_retry)
 
@@ -284,8 +302,32 @@ class SimulatedStore(_Wrapper):
                     f"the simulation exceeded its budget of {self.max_requests:,} requests"
                 )
 
+    def _paced(self, tl: clock.Timeline) -> tuple[Pacer, int, int] | None:
+        """Wait (virtually) for one of the rank's pacing slots: until fewer of its other lanes'
+        requests are in flight than its Pacer's limit. The Pacer, the epoch and the number in
+        flight (this one included) to report the answer with; ``None``: pacing off."""
+        if self.pacer_factory is None:
+            return None
+        with self._rec_lock:
+            pacer = self.pacers.get(tl.rank)
+            if pacer is None:
+                pacer = self.pacers[tl.rank] = self.pacer_factory()
+        limit = max(1, int(pacer.limit))
+        others = sorted(e for e in (tl.lanes or ()) if e > tl.now)
+        if len(others) >= limit:
+            pacer.waits += 1
+            tl.advance_to(others[len(others) - limit])  # enough of them have finished by then
+            others = [e for e in others if e > tl.now]
+        epoch = pacer.epoch
+        cut = self._cuts.get(tl.rank)
+        if cut is not None and tl.now < cut[0]:
+            # the answer that cut the limit is still on its way: this try starts before the cut
+            epoch = cut[1]
+        return pacer, epoch, len(others) + 1
+
     def _invoke(self, op: str, key: str, keys: list[str] | None, fn: Any, *args: Any) -> Any:
         tl = clock.current()
+        paced = self._paced(tl) if tl is not None else None
         if tl is not None:
             clock.before_request()  # requests reach the rate limiter in virtual-time order (to within the lag)
         self._record(op, key, tl)
@@ -295,6 +337,12 @@ class SimulatedStore(_Wrapper):
         net = self.network_model
         if self.throttle:
             ok, scopes = self.rates.admit("write" if kind == "write" else "read", keys or [key], tl.now)
+            if paced is not None:
+                pacer, epoch, flight = paced
+                cuts = pacer.decreases
+                pacer.feedback(epoch, throttled=not ok, in_flight=flight)
+                if pacer.decreases != cuts:
+                    self._cuts[tl.rank] = (tl.now + net.error_latency_s, epoch)
             if not ok:
                 with self._rec_lock:
                     self.recorder.slowdowns[(tl.phase, op)] += 1
@@ -306,6 +354,8 @@ class SimulatedStore(_Wrapper):
                     location=self.location,
                     operation=op,
                 )
+        elif paced is not None:
+            paced[0].feedback(paced[1], throttled=False, in_flight=paced[2])
         tl.advance(net.latency_s(kind))
         sent = _payload_bytes(args)
         if sent:

@@ -144,7 +144,11 @@ class SimWorld:
             old = threading.stack_size()
             threading.stack_size(self.stack_size)
             try:
-                helpers = [threading.Thread(target=one, args=(r,), name=f"rank-{r}") for r in ranks[1:]]
+                # daemon: Python's bookkeeping of non-daemon threads (``_maintain_shutdown_locks``)
+                # walks every live one at each start and join, O(threads^2) per phase here
+                helpers = [
+                    threading.Thread(target=one, args=(r,), name=f"rank-{r}", daemon=True) for r in ranks[1:]
+                ]
                 for t in helpers:
                     t.start()
             finally:
@@ -172,7 +176,7 @@ class SimWorld:
                 self._break(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}")
                 raise
 
-        return self.threads_world.run(body, stack_size=self.stack_size)
+        return _run_daemon(self.threads_world, body, self.stack_size)
 
     # -- used by SimComm
 
@@ -231,6 +235,37 @@ class SimWorld:
         if not slot.sent:
             raise DistributedError(f"{what}: rank {src} never sent ({self._broken})")
         return slot
+
+
+def _run_daemon(
+    world: ThreadWorld, fn: Callable[[ThreadComm], T], stack_size: int
+) -> list[T | BaseException]:
+    """``ThreadWorld.run`` on daemon threads (the same comms, results and exceptions): a
+    non-daemon thread's start and join walk the tstate lock of every live non-daemon thread
+    (``threading._maintain_shutdown_locks``), which at 16,384 threads is most of a phase."""
+    results: dict[int, T | BaseException] = {}
+
+    def body(rank: int) -> None:
+        try:
+            value: T | BaseException = fn(world.comm(rank))
+        except BaseException as exc:  # noqa: BLE001 - returned to the caller per rank
+            value = exc
+        results[rank] = value
+
+    old = threading.stack_size()
+    threading.stack_size(stack_size)
+    try:
+        threads = [
+            threading.Thread(target=body, args=(r,), name=f"rank-{r}", daemon=True)
+            for r in range(world.world_size)
+        ]
+        for t in threads:
+            t.start()
+    finally:
+        threading.stack_size(old)
+    for t in threads:
+        t.join()
+    return [results[r] for r in range(world.world_size)]
 
 
 class _Slot:
