@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from objckpt import _crc
 from objckpt.store import Store
 from tests.backends import BACKEND_NAMES, Backend
 
@@ -25,6 +28,21 @@ def store(backend: Backend) -> Store:
     s = backend.new_store()
     yield s
     s.close()
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes CRC32C-hashed so far (every hash goes through ``_crc.crc32c_update``): what the
+    one-CRC-pass-per-byte tests count. Reset ``hashed[0] = 0`` before the part measured."""
+    seen = [0]
+    update = _crc.crc32c_update
+
+    def counting(crc: int, data: Any) -> int:
+        seen[0] += memoryview(data).nbytes
+        return update(crc, data)
+
+    monkeypatch.setattr(_crc, "crc32c_update", counting)
+    return seen
 
 
 def expect_gap(request: pytest.FixtureRequest, backend: Backend, gap: str) -> None:

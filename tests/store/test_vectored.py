@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from objckpt import _crc
 from objckpt._crc import crc32c_b64, crc32c_of
 from objckpt.errors import NotFoundError
 from objckpt.store import Store, open_store
@@ -47,20 +46,6 @@ def test_get_into_a_missing_key_is_not_found(store: Store) -> None:
 def client_overhead(store: Store) -> int:
     """Bytes a backend hashes besides the payload on a multipart upload."""
     return 32 if store.scheme == "gs" else 0
-
-
-@pytest.fixture
-def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Bytes CRC32C-hashed so far (every hash goes through ``_crc.crc32c_update``)."""
-    seen = [0]
-    update = _crc.crc32c_update
-
-    def counting(crc: int, data: Any) -> int:
-        seen[0] += memoryview(data).nbytes
-        return update(crc, data)
-
-    monkeypatch.setattr(_crc, "crc32c_update", counting)
-    return seen
 
 
 PART = 5 * 1024 * 1024  # S3's smallest part
