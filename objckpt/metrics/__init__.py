@@ -29,22 +29,37 @@ Typical use::
     metrics.observe_step(step, seconds=step_time)   # every step: feeds work-at-risk
 
 A callback that raises is logged and ignored: monitoring must never fail a save.
+
+The events and callbacks live in :mod:`.events`, the exporter in :mod:`.prometheus`; every name
+is importable from here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .events import (
+    BaseMetricsCallback,
+    CommitEvent,
+    FailureEvent,
+    JsonLogCallback,
+    MetricsCallback,
+    MetricsEvent,
+    MirrorEvent,
+    RestartEvent,
+    RestoreEvent,
+    RetryEvent,
+    SaveStartEvent,
+    ValidationFailureEvent,
+)
+from .prometheus import PrometheusExporter
 
 __all__ = [
     "BaseMetricsCallback",
@@ -65,175 +80,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("objckpt.metrics")
-
-
-# ---------------------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class MetricsEvent:
-    """Base of every event: when it happened (epoch seconds) and the run it concerns."""
-
-    time: float
-    run: str
-
-    kind = "event"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"event": self.kind, **asdict(self)}
-
-
-@dataclass(frozen=True)
-class SaveStartEvent(MetricsEvent):
-    step: int
-    attempt: str
-    kind = "save_start"
-
-
-@dataclass(frozen=True)
-class CommitEvent(MetricsEvent):
-    """A checkpoint was committed. Durations are ``None`` when that phase was not timed.
-
-    ``save_seconds`` is the whole save (start to commit); ``blocking_seconds`` the part training
-    was blocked for (equal to the whole save unless the save was marked unblocked earlier).
-    """
-
-    step: int
-    attempt: str
-    bytes: int
-    save_seconds: float | None = None
-    blocking_seconds: float | None = None
-    upload_seconds: float | None = None
-    commit_seconds: float | None = None
-    throughput_bytes_per_second: float | None = None
-    kind = "commit"
-
-
-@dataclass(frozen=True)
-class FailureEvent(MetricsEvent):
-    step: int
-    attempt: str
-    phase: str
-    error_type: str
-    error: str
-    kind = "failure"
-
-
-@dataclass(frozen=True)
-class RestoreEvent(MetricsEvent):
-    step: int
-    attempt: str
-    seconds: float | None = None
-    bytes: int | None = None
-    fell_back_from: int | None = None
-    #: "primary", or "mirror" when the checkpoint was read from the mirror run root
-    source: str = "primary"
-    kind = "restore"
-
-
-@dataclass(frozen=True)
-class ValidationFailureEvent(MetricsEvent):
-    step: int | None
-    reason: str
-    key: str = ""
-    kind = "validation_failure"
-
-
-@dataclass(frozen=True)
-class RetryEvent(MetricsEvent):
-    error_type: str
-    error: str
-    attempt: int
-    kind = "retry"
-
-
-@dataclass(frozen=True)
-class MirrorEvent(MetricsEvent):
-    """A committed checkpoint was replicated to the mirror run root (``mirror=``);
-    ``lag_seconds``: from the primary's commit to the mirror's."""
-
-    step: int
-    lag_seconds: float
-    bytes: int = 0
-    kind = "mirror"
-
-
-@dataclass(frozen=True)
-class RestartEvent(MetricsEvent):
-    step: int | None
-    reason: str = ""
-    kind = "restart"
-
-
-# ------------------------------------------------------------------------------------- callbacks
-
-
-@runtime_checkable
-class MetricsCallback(Protocol):
-    """What :class:`CheckpointMetrics` calls. Implement any subset: missing methods are skipped."""
-
-    def on_save_start(self, event: SaveStartEvent) -> None: ...
-    def on_commit(self, event: CommitEvent) -> None: ...
-    def on_failure(self, event: FailureEvent) -> None: ...
-    def on_restore(self, event: RestoreEvent) -> None: ...
-    def on_validation_failure(self, event: ValidationFailureEvent) -> None: ...
-    def on_retry(self, event: RetryEvent) -> None: ...
-    def on_restart(self, event: RestartEvent) -> None: ...
-    def on_mirror(self, event: MirrorEvent) -> None: ...
-
-
-class BaseMetricsCallback:
-    """No-op implementation of every hook; subclass and override what you need."""
-
-    def on_save_start(self, event: SaveStartEvent) -> None:
-        pass
-
-    def on_commit(self, event: CommitEvent) -> None:
-        pass
-
-    def on_failure(self, event: FailureEvent) -> None:
-        pass
-
-    def on_restore(self, event: RestoreEvent) -> None:
-        pass
-
-    def on_validation_failure(self, event: ValidationFailureEvent) -> None:
-        pass
-
-    def on_retry(self, event: RetryEvent) -> None:
-        pass
-
-    def on_restart(self, event: RestartEvent) -> None:
-        pass
-
-    def on_mirror(self, event: MirrorEvent) -> None:
-        pass
-
-
-class JsonLogCallback(BaseMetricsCallback):
-    """One JSON object per event, logged at ``level`` on ``logger`` (``objckpt.metrics``).
-
-    Lines look like ``{"event": "commit", "time": 1718000000.0, "run": "s3://b/r", "step": 20,
-    ...}``: machine-parseable by any log pipeline, no extra dependency. Failures and validation
-    failures are logged at WARNING whatever ``level`` is, so they stand out.
-    """
-
-    def __init__(self, logger: logging.Logger | str | None = None, level: int = logging.INFO) -> None:
-        if isinstance(logger, str):
-            logger = logging.getLogger(logger)
-        self.logger = logger or log
-        self.level = level
-
-    def _emit(self, event: MetricsEvent, level: int | None = None) -> None:
-        self.logger.log(level or self.level, json.dumps(event.to_dict(), sort_keys=True, default=str))
-
-    on_save_start = on_commit = on_restore = on_retry = on_restart = _emit
-
-    def on_failure(self, event: FailureEvent) -> None:
-        self._emit(event, logging.WARNING)
-
-    def on_validation_failure(self, event: ValidationFailureEvent) -> None:
-        self._emit(event, logging.WARNING)
 
 
 # -------------------------------------------------------------------------------------- recorder
@@ -622,205 +468,3 @@ class SaveTracker:
             upload_seconds=self.durations.get("upload"),
             commit_seconds=self.durations.get("commit"),
         )
-
-
-# ------------------------------------------------------------------------------------ prometheus
-
-
-def _require_prometheus() -> Any:
-    try:
-        import prometheus_client
-    except ImportError as exc:
-        raise ConfigError(
-            "Prometheus export needs prometheus-client: pip install 'objckpt[metrics]' "
-            "(or pip install prometheus-client)"
-        ) from exc
-    return prometheus_client
-
-
-class PrometheusExporter:
-    """Exposes a :class:`CheckpointMetrics` to Prometheus (needs ``prometheus-client``).
-
-    The values are read from the recorder at collection time (a custom collector), so there is
-    no double bookkeeping and ages are always current. Metric names (prefix ``namespace``)::
-
-        objckpt_last_committed_step                 gauge
-        objckpt_last_commit_timestamp_seconds       gauge
-        objckpt_seconds_since_last_commit           gauge
-        objckpt_work_at_risk_steps / _seconds       gauge
-        objckpt_step_seconds                        gauge (running estimate)
-        objckpt_last_save_bytes                     gauge
-        objckpt_last_upload_throughput_bytes_per_second gauge
-        objckpt_last_phase_seconds{phase=...}       gauge (save, blocking, upload, commit, restore)
-        objckpt_phase_seconds{phase=...}            summary (_count, _sum)
-        objckpt_saved_bytes_total, objckpt_commits_total, objckpt_save_failures_total,
-        objckpt_validation_failures_total, objckpt_store_retries_total, objckpt_restarts_total,
-        objckpt_restores_total                      counters
-        objckpt_last_committed_info{attempt=...}    gauge = 1
-
-    Every series carries ``labels`` (e.g. ``{"run": "eta"}``) as constant labels.
-
-    Raises:
-        ConfigError: ``prometheus-client`` is not installed.
-    """
-
-    def __init__(
-        self,
-        metrics: CheckpointMetrics,
-        *,
-        registry: Any = None,
-        namespace: str = "objckpt",
-        labels: dict[str, str] | None = None,
-    ) -> None:
-        prom = _require_prometheus()
-        self.metrics = metrics
-        self.namespace = namespace
-        self.labels = dict(labels or {})
-        self.registry = registry if registry is not None else prom.CollectorRegistry()
-        self._server: Any = None
-        self.registry.register(self)
-
-    # prometheus_client's Collector protocol
-    def describe(self) -> list[Any]:
-        return []  # unchecked collector: names are static but values come and go
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            SummaryMetricFamily,
-        )
-
-        snap = self.metrics.snapshot()
-        ns = self.namespace
-        keys = list(self.labels)
-        vals = [self.labels[k] for k in keys]
-
-        def gauge(name: str, doc: str, value: float | None) -> Iterator[Any]:
-            if value is not None:
-                g = GaugeMetricFamily(f"{ns}_{name}", doc, labels=keys)
-                g.add_metric(vals, float(value))
-                yield g
-
-        def counter(name: str, doc: str, value: float) -> Any:
-            c = CounterMetricFamily(f"{ns}_{name}", doc, labels=keys)
-            c.add_metric(vals, float(value))
-            return c
-
-        yield from gauge(
-            "last_committed_step", "Step of the last committed checkpoint.", snap["last_committed_step"]
-        )
-        yield from gauge(
-            "last_commit_timestamp_seconds",
-            "Unix time of the last commit (or restore).",
-            snap["last_commit_time"],
-        )
-        yield from gauge(
-            "seconds_since_last_commit",
-            "Seconds since the last committed checkpoint.",
-            snap["seconds_since_last_commit"],
-        )
-        yield from gauge(
-            "work_at_risk_steps",
-            "Steps trained since the last committed checkpoint.",
-            snap["work_at_risk_steps"],
-        )
-        yield from gauge(
-            "work_at_risk_seconds", "Training seconds a failure now would lose.", snap["work_at_risk_seconds"]
-        )
-        yield from gauge(
-            "step_seconds", "Running estimate of one training step's duration.", snap["step_seconds"]
-        )
-        yield from gauge(
-            "mirror_lag_seconds",
-            "Seconds the oldest commit not yet on the mirror has waited (else the last replication's lag).",
-            snap["mirror_lag_seconds"],
-        )
-        yield from gauge(
-            "mirrored_step", "Step of the newest checkpoint on the mirror.", snap["mirrored_step"]
-        )
-        yield from gauge(
-            "last_save_bytes", "Bytes written by the last committed save.", snap["last_save_bytes"]
-        )
-        yield from gauge(
-            "last_upload_throughput_bytes_per_second",
-            "Upload throughput of the last committed save.",
-            snap["last_throughput_bytes_per_second"],
-        )
-        if snap["phases"]:
-            last = GaugeMetricFamily(
-                f"{ns}_last_phase_seconds",
-                "Duration of the last save/upload/commit/restore.",
-                labels=keys + ["phase"],
-            )
-            summary = SummaryMetricFamily(
-                f"{ns}_phase_seconds",
-                "Durations of save/upload/commit/restore phases.",
-                labels=keys + ["phase"],
-            )
-            for name, p in snap["phases"].items():
-                if p["last_seconds"] is not None:
-                    last.add_metric(vals + [name], p["last_seconds"])
-                summary.add_metric(vals + [name], count_value=p["count"], sum_value=p["total_seconds"])
-            yield last
-            yield summary
-        yield counter("saved_bytes", "Bytes written by committed saves.", snap["bytes_total"])
-        yield counter("commits", "Committed checkpoints.", snap["commits"])
-        yield counter("save_failures", "Saves that did not commit.", snap["failures"])
-        yield counter(
-            "validation_failures", "Manifests or shards that failed validation.", snap["validation_failures"]
-        )
-        yield counter("store_retries", "Store requests retried after transient errors.", snap["retries"])
-        yield counter("restarts", "Job restarts.", snap["restarts"])
-        yield counter("restores", "Restores from a checkpoint.", snap["restores"])
-        yield counter("mirrored", "Checkpoints replicated to the mirror.", snap["mirrored"])
-        yield counter("mirror_failures", "Replications to the mirror that failed.", snap["mirror_failures"])
-        if snap["last_committed_attempt"] is not None:
-            info = GaugeMetricFamily(
-                f"{ns}_last_committed_info",
-                "Attempt id of the last committed checkpoint.",
-                labels=keys + ["attempt"],
-            )
-            info.add_metric(vals + [snap["last_committed_attempt"]], 1.0)
-            yield info
-
-    def render(self) -> bytes:
-        """The exposition text, as a scrape would return it."""
-        text: bytes = _require_prometheus().generate_latest(self.registry)
-        return text
-
-    def write_textfile(self, path: str | os.PathLike[str]) -> None:
-        """Write the exposition text for node-exporter's textfile collector.
-
-        Atomic: written to a temporary file in the same directory, then renamed over ``path``,
-        so the collector never reads a half-written file.
-        """
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".objckpt-metrics-", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.render())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-
-    def start_http_server(self, port: int = 0, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` from a daemon thread; returns the bound port (``port=0``: any).
-
-        Binds to localhost by default: exposing metrics beyond the host is a deliberate choice.
-        """
-        prom = _require_prometheus()
-        server, _thread = prom.start_http_server(port, addr=addr, registry=self.registry)
-        self._server = server
-        return int(server.server_address[1])
-
-    def stop_http_server(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
