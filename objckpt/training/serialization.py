@@ -75,6 +75,7 @@ here (resolved on first use: those modules import this one).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -311,57 +312,27 @@ def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# Format version 3 lives in ._chunked (which imports this module's primitives); its names stay
-# importable from here, where callers have always found them, resolved on first use so that
-# either module can be imported first.
-_CHUNKED_NAMES = frozenset(
-    (
-        "FOOTER_MAGIC",
-        "MAX_CHUNK_SIZE",
-        "MIN_CHUNK_SIZE",
-        "TAIL_READ",
-        "ChunkOptions",
-        "ChunkTarget",
-        "ChunkedState",
-        "Identity",
-        "IndexEntry",
-        "Resolver",
-        "encode_chunked",
-        "index_entries",
-        "read_header",
-        "_FOOTER",
-    )
-)
-_DECODE_NAMES = frozenset(("_Local", "_Remote", "_check_entry", "_plan_chunked"))
-# The encoder and the decoder of formats 1-2 live in ._state_encode and ._state_decode (both
-# import this module's primitives), and are found here the same way.
-_STATE_ENCODE_NAMES = frozenset(
-    ("EncodedState", "_Array", "_bytes_view", "_Encoder", "dumps", "encode", "validate")
-)
-_STATE_DECODE_NAMES = frozenset(
-    ("_alloc_arrays", "_Decoder", "_dest_view", "_view_ref", "decode", "decode_stream", "loads")
-)
+# Format version 3 lives in ._chunked / ._chunked_decode, formats 1-2 in ._state_encode /
+# ._state_decode (each imports this module's primitives); their names stay importable from here,
+# where callers have always found them, resolved on first use so that any of these modules can
+# be imported first. Home module -> the names found here.
+_REEXPORTED: dict[str, tuple[str, ...]] = {
+    "_chunked": (
+        "FOOTER_MAGIC", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "TAIL_READ", "ChunkOptions", "ChunkTarget",
+        "ChunkedState", "Identity", "IndexEntry", "Resolver", "encode_chunked", "index_entries",
+        "read_header", "_FOOTER",
+    ),
+    "_chunked_decode": ("_Local", "_Remote", "_check_entry", "_plan_chunked"),
+    "_state_encode": ("EncodedState", "_Array", "_bytes_view", "_Encoder", "dumps", "encode", "validate"),
+    "_state_decode": ("_alloc_arrays", "_Decoder", "_dest_view", "_view_ref", "decode", "decode_stream", "loads"),
+}  # fmt: skip
+_HOME_OF = {name: home for home, names in _REEXPORTED.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
-    if (
-        name in _CHUNKED_NAMES
-        or name in _DECODE_NAMES
-        or name in _STATE_ENCODE_NAMES
-        or name in _STATE_DECODE_NAMES
-    ):
-        from . import _chunked, _chunked_decode, _state_decode, _state_encode
-
-        home = (
-            _chunked
-            if name in _CHUNKED_NAMES
-            else _chunked_decode
-            if name in _DECODE_NAMES
-            else _state_encode
-            if name in _STATE_ENCODE_NAMES
-            else _state_decode
-        )
-        value = getattr(home, name)
+    home = _HOME_OF.get(name)
+    if home is not None:
+        value = getattr(importlib.import_module(f".{home}", __package__), name)
         globals()[name] = value  # later lookups are plain module attributes
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
