@@ -103,6 +103,7 @@ from ..errors import (
     TransientError,
 )
 from ._options import Option, choice
+from ._writeback import write_back
 from .base import (
     DEFAULT_READ_CHUNK,
     Capabilities,
@@ -691,12 +692,15 @@ class LocalStore(Store):
         self, handle: UploadHandle, part_number: int, offset: int, buffers: list[memoryview], crc32c: str
     ) -> PartResult:
         """A part given as buffers ``put_stream`` hashed itself: ``pwritev`` at its offset, no
-        assembly copy, no second hash (idempotent on retry)."""
+        assembly copy, no second hash (idempotent on retry); then its pages are written back
+        from this thread (:mod:`._writeback`; the completion's fsync stays the durability point)."""
         try:
             # No O_CREAT: a part arriving after an abort must not resurrect the upload.
             fd = os.open(handle.state["path"], os.O_WRONLY | os.O_CLOEXEC)
             try:
                 size = _write_all(fd, buffers, offset)
+                # this part's disk write now, on this thread, not in the one fsync at the end
+                write_back(fd, offset, size)
             finally:
                 os.close(fd)
         except OSError as exc:

@@ -16,6 +16,7 @@ outcome -- committed, or the same error on every rank -- is delivered by the
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +32,10 @@ __all__ = ["BackgroundSaver"]
 
 log = logging.getLogger("objckpt.training")
 
+#: a worker with nothing to do for this long exits (a manager never closed leaves no thread
+#: behind); the next save starts a new one
+_IDLE_EXIT_S = 300.0
+
 
 class BackgroundSaver:
     """Runs asynchronous saves, one at a time, on ``comm`` (the background channel)."""
@@ -38,22 +43,27 @@ class BackgroundSaver:
     def __init__(self, session: SaveSession, comm: Comm) -> None:
         self.session = session
         self.comm = comm
-        #: the last save that ran (finished or not) and the thread running it
+        #: the last save that ran (finished or not)
         self.last: SaveHandle | None = None
-        self._thread: threading.Thread | None = None
+        # One worker thread for the manager's life, started by the first save: handing a save
+        # to a thread that is already running is a queue put, where starting a thread per save
+        # made save_async wait until the new thread ran (Thread.start), milliseconds on a busy
+        # host, inside the time the training loop is blocked.
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()  # the worker's start and its exit when idle
+        self._idle = threading.Event()
+        self._idle.set()
 
     @property
     def busy(self) -> bool:
         """A save is still in flight on this rank."""
-        return self._thread is not None and self._thread.is_alive()
+        return not self._idle.is_set()
 
     def settle(self) -> BaseException | None:
         """Wait for the in-flight save, if any. Returns its error when no one has seen it yet
         (not marked seen): the caller raises it, or reports it to the other ranks."""
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-            self._thread = None
+        self._idle.wait()
         return self.last._unobserved_error() if self.last is not None else None
 
     def start(
@@ -65,18 +75,51 @@ class BackgroundSaver:
         stage_error: BaseException | None,
         finish: Callable[[SaveTicket, shards.Capture, Mapping[str, Any]], Manifest],
     ) -> None:
-        """Upload ``cap`` (already staged) and commit it in a new thread; ``finish`` is the
-        manager's call of :meth:`SaveSession.finish` with the manifest's contents."""
-        thread = threading.Thread(
-            target=self._run,
-            args=(handle, ticket, cap, stage_error, finish),
-            name=f"objckpt-save-{ticket.step}",
-            # daemon: a job that exits without close() must not hang at interpreter exit on a
-            # collective with ranks that are gone; that save is simply never committed
-            daemon=True,
-        )
-        self.last, self._thread = handle, thread
-        thread.start()
+        """Upload ``cap`` (already staged) and commit it on the worker thread; ``finish`` is the
+        manager's call of :meth:`SaveSession.finish` with the manifest's contents. The caller
+        has settled the previous save (one in flight at most)."""
+        self.last = handle
+        self._idle.clear()
+        with self._lock:
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._serve,
+                    name="objckpt-save",
+                    # daemon: a job that exits without close() must not hang at interpreter exit
+                    # on a collective with ranks that are gone; that save is simply never committed
+                    daemon=True,
+                )
+                self._worker.start()
+            self._jobs.put((handle, ticket, cap, stage_error, finish))
+
+    def close(self) -> None:
+        """Stop the worker thread once the in-flight save is done; idempotent. A save started
+        after this runs on a new worker."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                self._jobs.put(None)
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=_IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:  # start() queues under this lock: nothing can slip in now
+                    if self._jobs.empty():  # close() always queues a None: it is not closing
+                        if self._worker is threading.current_thread():
+                            self._worker = None
+                        return
+                continue
+            if job is None:
+                return
+            try:
+                self._run(*job)
+            finally:
+                del job  # the staged trees and the handle go with the save, not with the thread
+                self._idle.set()
 
     def _run(
         self,

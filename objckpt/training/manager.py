@@ -443,6 +443,7 @@ class CheckpointManager:
             error = self._saver.settle_for_close(abandon=abandon)
         finally:
             self._closed = True
+            self._background.close()
             self._staging.release()
             try:
                 if self._mirror is not None:

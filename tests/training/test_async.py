@@ -410,3 +410,60 @@ def test_two_ranks_async_save_and_restore_round_trip_is_bitwise(tmp_path: Path) 
     assert Reader(open_store(failing)).steps() == []
     aband = open_store(abandoned)
     assert Reader(aband).steps() == [] and aband.list_uploads("") == []
+
+
+# ------------------------------------------------------------------------- the worker thread
+
+
+def _record_save_threads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[threading.Thread], list[str]]:
+    """The thread each save's upload ran on, and the names of the threads started meanwhile."""
+    from objckpt.training import shards
+
+    ran_on: list[threading.Thread] = []
+    started: list[str] = []
+    real_write, real_start = shards.write, threading.Thread.start
+
+    def write(*args: Any, **kwargs: Any) -> Any:
+        ran_on.append(threading.current_thread())
+        return real_write(*args, **kwargs)
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(shards, "write", write)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return ran_on, started
+
+
+def test_saves_run_on_one_worker_thread_that_close_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    # save_async hands the save to a thread already running instead of starting one per save
+    # (Thread.start waits for the new thread to run, inside the time training is blocked)
+    ran_on, started = _record_save_threads(monkeypatch)
+    store = MemoryStore()
+    mgr = CheckpointManager(store, keep_last=None)
+    s = _state()
+    for step in (1, 2, 3):
+        assert mgr.save_async(step, s).wait(timeout=60).step == step
+    assert len(ran_on) == 3 and len({t.ident for t in ran_on}) == 1
+    assert started.count("objckpt-save") == 1
+    mgr.close()
+    assert not ran_on[0].is_alive()
+    assert Reader(store).steps() == [1, 2, 3]
+
+
+def test_an_idle_worker_exits_and_the_next_save_starts_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    from objckpt.training import background
+
+    monkeypatch.setattr(background, "_IDLE_EXIT_S", 0.01)  # a manager never closed keeps no thread
+    ran_on, started = _record_save_threads(monkeypatch)
+    store = MemoryStore()
+    mgr = CheckpointManager(store, keep_last=None)
+    s = _state()
+    assert mgr.save_async(1, s).wait(timeout=60).step == 1
+    ran_on[0].join(timeout=30)
+    assert not ran_on[0].is_alive()
+    assert mgr.save_async(2, s).wait(timeout=60).step == 2
+    assert started.count("objckpt-save") == 2 and ran_on[1] is not ran_on[0]
+    mgr.close()
+    assert Reader(store).steps() == [1, 2]
