@@ -37,7 +37,7 @@ SIMULATOR = [
     "**Virtual clock**: a request costs its latency plus its bytes at the connection's and the host "
     "NIC's bandwidth; a 503 costs its latency and the retry policy's own backoff sleep, which the "
     "simulation turns into virtual time by replacing the `time` module seen by `tenacity`, "
-    "`tenacity.nap`, `objckpt.store.base` and the sessions (and patching `ThreadPoolExecutor` so pool "
+    "`tenacity.nap`, `objckpt.store._reads`, `objckpt.store._budget` and the sessions (and patching `ThreadPoolExecutor` so pool "
     "threads inherit their submitter's clock); no simulated thread sleeps for real (tested). Simulated "
     "threads run one at a time, earliest virtual time first (a baton handed over within a 0.25 s lag), "
     "so requests reach the rate limiter in time order. Charged CPU: the coordinator's `commit` (thread "
@@ -87,7 +87,7 @@ HOOKS = [
     "",
     "- **An injectable clock/sleep** (`RetryPolicy(sleep=, monotonic=)`, and for `Store.get_stream`'s "
     "resume loop and the sessions' timestamps): the simulator replaces the `time` module inside "
-    "tenacity, `objckpt.store.base` and the sessions instead.",
+    "tenacity, `objckpt.store._reads`, `objckpt.store._budget` and the sessions instead.",
     "- **AIMD pacing with virtual concurrency** (added: `Pacer.epoch` and `Pacer.feedback(epoch, "
     "throttled=, in_flight=)`): `Pacer.acquire`/`release` count real requests in flight and wait on a "
     "real condition variable, while a simulated rank issues its concurrent requests as virtual lanes of "

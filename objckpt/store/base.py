@@ -22,244 +22,63 @@ Keys are ``/``-separated and relative to the store's root (the run root). Writes
 cannot honour raises :class:`NotSupportedError`; it never degrades to check-then-write. What a
 backend guarantees is its declared :class:`Capabilities`; a backend that declares nothing
 guarantees nothing, so protocol code refuses to commit on it (fail closed).
+
+Where the pieces live (each module small enough to read at once; this one re-exports every name
+the others define that objckpt imports from ``objckpt.store.base``): the value types, size
+constants and :func:`key_problem` in ``_types.py``; the per-thread time budget in
+``_budget.py``; the write path (``put``, ``put_stream``) in ``_writes.py`` and the read path
+(``get``, ``get_into``, ``get_stream``, ``get_verified``) in ``_reads.py``, two mixins that
+:class:`Store` inherits; the part-cutting and buffer helpers in ``_parts.py``.
 """
 
 from __future__ import annotations
 
 import builtins
 import dataclasses
-import itertools
 import threading
-import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from datetime import datetime
-from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union, cast
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from .._crc import Buffer, Crc32c, crc32c_b64, crc32c_combine, crc32c_of, encode_crc32c
+from .._crc import encode_crc32c
 from .._retry import RetryPolicy
-from ..errors import (
-    AlreadyExistsError,
-    ChecksumMismatchError,
-    ConfigError,
-    InvalidKeyError,
-    NotSupportedError,
-    TransientError,
-)
+from ..errors import ConfigError, InvalidKeyError, NotSupportedError
+from ._budget import budget_remaining, time_budget
 from ._options import Option
-from .pacing import Pacer, is_throttling
+from ._parts import _joined, advance, iter_parts
+from ._reads import _StoreReads
+from ._types import (
+    BIG_OBJECT_SIZE,
+    BIG_PART_SIZE,
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_PART_SIZE,
+    DEFAULT_READ_CHUNK,
+    MAX_DELETE_BATCH,
+    MAX_PARTS,
+    PROBE_PREFIX,
+    BytesSource,
+    Capabilities,
+    MiB,
+    ObjectMeta,
+    PartResult,
+    PendingUpload,
+    PutMode,
+    StreamChecksums,
+    UploadHandle,
+    key_problem,
+)
+from ._writes import _StoreWrites
+from .pacing import Pacer
 
 if TYPE_CHECKING:
     from ._uri import ParsedURI
 
 T = TypeVar("T")
 
-BytesSource = Union[Buffer, Iterable[Buffer], IO[bytes]]
-"""What ``put_stream`` accepts: one buffer, an iterable of buffers, or a binary file object."""
 
-MiB = 1024 * 1024
-DEFAULT_PART_SIZE = 16 * MiB
-DEFAULT_MAX_IN_FLIGHT = 8
-#: S3's limit on the parts of one multipart upload
-MAX_PARTS = 10_000
-#: objects larger than this get parts of at least BIG_PART_SIZE (fewer requests per shard)
-BIG_OBJECT_SIZE = 1024 * MiB
-BIG_PART_SIZE = 32 * MiB
-DEFAULT_READ_CHUNK = 4 * MiB
-MAX_DELETE_BATCH = 1000
-#: where ``Store.check(write=True)`` writes (and deletes) its probe object
-PROBE_PREFIX = "objckpt-probe/"
-
-
-@dataclass(frozen=True)
-class PutMode:
-    """How a write treats an existing object.
-
-    * ``PutMode.OVERWRITE``: replace whatever is there.
-    * ``PutMode.CREATE``: write only if the key is absent, else :class:`AlreadyExistsError`.
-    * ``PutMode.update(version)``: write only if the current version equals ``version`` (the
-      token returned by the previous write or head), else :class:`PreconditionFailedError`.
-    """
-
-    kind: Literal["overwrite", "create", "update"]
-    version: str | None = None
-
-    OVERWRITE: ClassVar[PutMode]
-    CREATE: ClassVar[PutMode]
-
-    @classmethod
-    def update(cls, version: str) -> PutMode:
-        if not version:
-            raise ValueError("PutMode.update needs the version token of the object to replace")
-        return cls("update", version)
-
-    def __repr__(self) -> str:
-        return (
-            f"PutMode.update({self.version!r})" if self.kind == "update" else f"PutMode.{self.kind.upper()}"
-        )
-
-
-PutMode.OVERWRITE = PutMode("overwrite")
-PutMode.CREATE = PutMode("create")
-
-
-@dataclass(frozen=True)
-class ObjectMeta:
-    """What a store knows about one object.
-
-    Attributes:
-        key: relative to the store root.
-        size: bytes.
-        version: the token for ``PutMode.update`` and for receipts: the ETag on S3, the
-            generation on GCS, a per-write unique token on file:// and memory://.
-        crc32c: base64 full-object CRC32C when the backend knows it cheaply, else ``None``.
-        last_modified: when the object was written (timezone-aware), if known.
-    """
-
-    key: str
-    size: int
-    version: str
-    crc32c: str | None = None
-    last_modified: datetime | None = None
-
-
-@dataclass(frozen=True)
-class PendingUpload:
-    """A started, never completed multipart/resumable/staged upload (for GC)."""
-
-    key: str
-    upload_id: str
-    initiated: datetime | None = None
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend guarantees. Protocol code refuses to run on a store lacking what it needs.
-
-    Every field must be given: there are no defaults, so a backend states each guarantee it
-    makes, and :attr:`Store.capabilities` of a backend that declares nothing is
-    :attr:`Capabilities.NONE` (fail closed).
-
-    Attributes:
-        create_if_absent: ``PutMode.CREATE`` is enforced by the server.
-        compare_and_swap: ``PutMode.update`` is enforced by the server.
-        atomic_conditionals: the two above hold under concurrent racing writers (moto: no).
-    """
-
-    create_if_absent: bool
-    compare_and_swap: bool
-    atomic_conditionals: bool
-
-    #: nothing guaranteed: what a Store subclass that declares nothing gets
-    NONE: ClassVar[Capabilities]
-    #: every conditional write enforced, atomically under races
-    ALL: ClassVar[Capabilities]
-
-
-Capabilities.NONE = Capabilities(create_if_absent=False, compare_and_swap=False, atomic_conditionals=False)
-Capabilities.ALL = Capabilities(create_if_absent=True, compare_and_swap=True, atomic_conditionals=True)
-
-
-@dataclass
-class UploadHandle:
-    """Backend-private state of one in-progress streamed upload.
-
-    ``abort_upload(PendingUpload)`` rebuilds a handle from a pending upload (``key``,
-    ``upload_id``, ``mode=OVERWRITE``, empty ``state``), so ``_abort_upload`` must work from
-    those two fields alone.
-    """
-
-    key: str
-    mode: PutMode
-    upload_id: str = ""
-    state: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PartResult:
-    """What the backend returns for one uploaded part (consumed by ``_complete_upload``)."""
-
-    part_number: int  # 1-based, as S3 numbers them
-    offset: int
-    size: int
-    crc32c: str
-    token: Any = None  # e.g. the S3 part ETag or the GCS temporary object name
-
-
-@dataclass
-class StreamChecksums:
-    """What ``put_stream`` hashed while sending, from one CRC32C pass over each byte: every
-    source buffer's ``(crc, size)`` in order (``chunks``), the whole object's ``crc``/``size``
-    and the number of ``parts``. Part and whole values are combined from the pieces' CRCs
-    (:func:`~objckpt._crc.crc32c_combine`), never by hashing the bytes again."""
-
-    chunks: list[tuple[int, int]] = field(default_factory=list)
-    crc: int = 0
-    size: int = 0
-    parts: int = 0
-
-    @property
-    def b64(self) -> str:
-        return encode_crc32c(self.crc)
-
-
-def key_problem(key: object) -> str | None:
-    """Why ``key`` cannot name an object on any backend, or ``None`` when it can.
-
-    THE key rule, for every backend: a key is a non-empty ``str`` of ``/``-separated segments,
-    none empty, ``.`` or ``..`` (so no leading or trailing ``/`` and no ``//``), without NUL or
-    backslash. Such a key cannot name anything outside the store root on a server or a
-    filesystem that normalises paths, and every backend can hold it, so a checkpoint stays
-    portable between backends. Backends may refuse more (:meth:`Store._key_rule`).
-    """
-    if not isinstance(key, str):
-        return f"a key is a str, not {type(key).__name__}"
-    if not key:
-        return "empty key"
-    if key.startswith("/"):
-        return "keys are relative to the store root (no leading '/')"
-    if "\x00" in key:
-        return "NUL in key"
-    if "\\" in key:
-        return "backslash in key (the separator is '/')"
-    if any(seg in ("", ".", "..") for seg in key.split("/")):
-        return "empty, '.' or '..' segment"
-    return None
-
-
-#: the time budget of the request in progress on this thread (an absolute ``time.monotonic()``
-#: deadline), shared by every store: a request made while another is being retried (GCS's
-#: cleanup inside a compose, the pointer's compare-and-swap rounds) gets what remains of it
-_budget = threading.local()
-
-
-def budget_remaining() -> float | None:
-    """Seconds left of the innermost :func:`time_budget` on this thread, or ``None``."""
-    deadline = getattr(_budget, "deadline", None)
-    return None if deadline is None else deadline - time.monotonic()
-
-
-@contextmanager
-def time_budget(seconds: float) -> Iterator[None]:
-    """Every store request made on this thread inside the block shares one time budget of
-    ``seconds`` (or what remains of an enclosing budget, if less): each request's retry policy
-    is cut down to what is left, so a loop of requests (compare-and-swap rounds, a cleanup
-    inside a publish) ends within the budget however many requests it makes. A request whose
-    budget is spent still gets its one first try."""
-    previous = getattr(_budget, "deadline", None)
-    deadline = time.monotonic() + max(0.0, seconds)
-    _budget.deadline = deadline if previous is None else min(previous, deadline)
-    try:
-        yield
-    finally:
-        _budget.deadline = previous
-
-
-class Store(ABC):
+class Store(_StoreWrites, _StoreReads, ABC):
     """One object store location (bucket + prefix, or directory). Thread-safe.
 
     Subclasses implement the underscore primitives, declare :attr:`capabilities` and
@@ -449,282 +268,6 @@ class Store(ABC):
         for listener in self._retry_listeners:
             listener(exc, attempt)
 
-    def put(self, key: str, data: Buffer, *, mode: PutMode = PutMode.OVERWRITE) -> ObjectMeta:
-        """Write ``data`` as one object, atomically: readers see the old object or the new one.
-
-        Raises:
-            AlreadyExistsError: ``mode`` is CREATE and the key exists (nothing written).
-            PreconditionFailedError: ``mode`` is an update and the version moved.
-            NotSupportedError: the backend cannot enforce ``mode``.
-            InvalidKeyError: ``key`` breaks the key rule (no request made).
-            ChecksumMismatchError: the server rejected the body's CRC32C (nothing written).
-        """
-        self.check_key(key, "put")
-        view = memoryview(data).cast("B")
-        self._check_mode(mode, key)
-        return self._put_checked(key, [view], view.nbytes, crc32c_b64(view), mode)
-
-    def _put_checked(
-        self, key: str, buffers: list[memoryview], size: int, crc: str, mode: PutMode
-    ) -> ObjectMeta:
-        tries = 0
-
-        def attempt() -> ObjectMeta:
-            nonlocal tries
-            tries += 1
-            return self._put_buffers(key, buffers, mode, crc)
-
-        try:
-            return self._call(attempt)
-        except AlreadyExistsError:
-            # A create retried after a transient error may have landed the first time (the
-            # response was lost). The same size and CRC32C means the object is our own bytes.
-            if tries > 1:
-                meta = self._call(self._head, key)
-                if meta.size == size and meta.crc32c == crc:
-                    return meta
-            raise
-
-    def put_stream(
-        self,
-        key: str,
-        source: BytesSource,
-        *,
-        mode: PutMode = PutMode.CREATE,
-        part_size: int | None = None,
-        max_in_flight: int | None = None,
-        progress: Callable[[int], None] | None = None,
-        checksums: StreamChecksums | None = None,
-        borrow: bool = False,
-    ) -> ObjectMeta:
-        """Stream ``source`` into one object with bounded memory; default mode is create-if-absent.
-
-        Sources no larger than one part are written with a single ``put``. Larger ones go through
-        the backend's multipart upload with at most ``max_in_flight`` parts buffered or in flight;
-        each part carries its CRC32C. The returned meta's ``crc32c`` is the full-object CRC32C
-        computed while streaming. ``progress(n)`` is called with each part's byte count once
-        that part is uploaded.
-
-        Each byte is CRC32C-hashed once: per piece (a source buffer's share of one part), the
-        part's and the whole object's values combined from those; ``checksums`` (optional)
-        receives them, with each source buffer's own CRC32C. A part inside one source buffer is
-        a view of it; a part straddling buffers is assembled by copying, unless ``borrow``: the
-        caller keeps every source buffer alive and unchanged until this returns (views of live
-        tensors), so such a part is sent as the list of views (no copy; memory then is the
-        source's, not ``part_size x max_in_flight``).
-
-        Atomicity: the object appears only at completion, whole. On any failure (including
-        KeyboardInterrupt) the upload is aborted and the error re-raised. Raises what ``put``
-        raises.
-        """
-        self.check_key(key, "put")
-        self._check_mode(mode, key)
-        part_size = part_size or self.part_size
-        self._check_part_size(part_size, key)
-        max_in_flight = max_in_flight or self.max_in_flight
-        sums = checksums if checksums is not None else StreamChecksums()
-        parts = _cut_parts(source, part_size, borrow, sums)
-        first = next(parts, None)
-        if first is None:
-            first = _Part()
-        second = next(parts, None)
-        if second is None:  # fits in one request: no multipart overhead
-            meta = self._put_checked(key, first.buffers, first.size, encode_crc32c(first.crc), mode)
-            if progress:
-                progress(first.size)
-            return meta
-        # Hand the two parts read ahead over without keeping references here: a part must be
-        # freed as soon as its upload is done, or the memory bound grows by two parts.
-        head = [first, second]
-        del first, second
-        return self._multipart(key, _chain(head, parts), mode, max_in_flight, progress, sums)
-
-    def _multipart(
-        self,
-        key: str,
-        parts: Iterator[_Part],
-        mode: PutMode,
-        max_in_flight: int,
-        progress: Callable[[int], None] | None,
-        sums: StreamChecksums,
-    ) -> ObjectMeta:
-        handle: UploadHandle = self._call(self._create_upload, key, mode)
-        results: list[PartResult] = []
-        in_flight: set[Future[PartResult]] = set()
-        pool = self._executor()
-        offset = 0
-        try:
-            for number in itertools.count(1):
-                # Bound memory: wait for a slot before taking the next part off the source, so
-                # at most max_in_flight parts exist plus the one the source is assembling.
-                while len(in_flight) >= max_in_flight:
-                    done, in_flight = _wait_first(in_flight)
-                    results.extend(_collect(done, progress))
-                part = next(parts, None)
-                if part is None:
-                    break
-                # The task takes the buffers out of their holder, so they are released when
-                # the upload returns, not when the pool gets round to dropping its arguments.
-                crc = encode_crc32c(part.crc)
-                holder = [part.buffers]
-                in_flight.add(pool.submit(self._upload_held, handle, number, offset, holder, crc))
-                offset += part.size
-                del part, holder
-            while in_flight:
-                done, in_flight = _wait_first(in_flight)
-                results.extend(_collect(done, progress))
-            results.sort(key=lambda r: r.part_number)
-            return self._call(self._complete_upload, handle, results, sums.size, sums.b64)
-        except BaseException:
-            for fut in in_flight:
-                fut.cancel()
-            wait(in_flight)
-            try:
-                self._call(self._abort_upload, handle)
-            except Exception:  # noqa: BLE001 - the original error matters more; GC sweeps leftovers
-                pass
-            raise
-
-    def _upload_held(
-        self, handle: UploadHandle, number: int, offset: int, holder: list[list[memoryview]], crc: str
-    ) -> PartResult:
-        buffers = holder.pop()
-        return self._call(self._upload_part_buffers, handle, number, offset, buffers, crc)
-
-    def get(self, key: str, *, byte_range: tuple[int, int] | None = None) -> bytes:
-        """Whole object, or bytes ``[start, end)`` of it (clamped at the object's end, like an
-        HTTP range). One ``_open`` call, retried whole on a transient error.
-
-        Raises:
-            NotFoundError: no such key.
-            InvalidKeyError: ``key`` breaks the key rule (no request made).
-        """
-        self.check_key(key, "get")
-        start, end = 0, None
-        if byte_range is not None:
-            start, end = byte_range
-            if start < 0 or end < start:
-                raise ValueError(f"bad byte range {byte_range} for key {key!r}")
-            if end == start:
-                return b""
-        return self._call(self._read, key, start, end)
-
-    def _read(self, key: str, start: int, end: int | None) -> bytes:
-        # One chunk is returned as is (bytes.join of a single bytes object does not copy).
-        return b"".join(self._open(key, start, end))
-
-    def get_into(self, key: str, start: int, buffers: Sequence[memoryview]) -> int:
-        """Read bytes ``[start, start + total)`` of the object straight into ``buffers`` (writable,
-        filled in order, ``total`` their summed size): one request, retried whole on a transient
-        error. Returns how many bytes were read, fewer only where the object ends first.
-
-        Backends that can receive into memory (file:// ``preadv``, S3 ``readinto``) do so;
-        the default copies each chunk of :meth:`_open` once into place.
-
-        Raises:
-            NotFoundError: no such key.
-            InvalidKeyError: ``key`` breaks the key rule (no request made).
-        """
-        self.check_key(key, "get")
-        if start < 0:
-            raise ValueError(f"bad start {start} for key {key!r}")
-        views = [memoryview(b).cast("B") for b in buffers]
-        if not any(v.nbytes for v in views):
-            return 0
-        return int(self._call(self._read_into, key, start, views))
-
-    def _read_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
-        """Fill ``buffers`` from ``[start, start + total)``; a backend overrides this to read
-        into them without an intermediate chunk."""
-        total = sum(b.nbytes for b in buffers)
-        fill = _Scatter(buffers)
-        for chunk in self._open(key, start, start + total):
-            fill.write(memoryview(chunk).cast("B"))
-        return fill.filled
-
-    def get_stream(
-        self,
-        key: str,
-        *,
-        expected_size: int | None = None,
-        expected_crc32c: str | None = None,
-    ) -> Iterator[bytes]:
-        """Stream an object, resuming after transient errors, verifying it at the end.
-
-        The final ``next()`` raises :class:`ChecksumMismatchError` if the size or CRC32C differ
-        from what was expected; consumers must not use the bytes before the stream is exhausted.
-        An invalid key raises :class:`InvalidKeyError` here, before any request; a missing
-        object raises :class:`NotFoundError` at the first ``next()``.
-        """
-        self.check_key(key, "get")
-        return self._stream(key, expected_size, expected_crc32c)
-
-    def _stream(self, key: str, expected_size: int | None, expected_crc32c: str | None) -> Iterator[bytes]:
-        crc = Crc32c()
-        retries = 0
-        streak_started = time.monotonic()
-        while True:
-            resumed_at = crc.size
-            pacer = self.pacing
-            epoch = pacer.admit() if pacer is not None else 0  # a stream holds no slot
-            try:
-                for chunk in self._open(key, crc.size, None):
-                    crc.update(chunk)
-                    if expected_size is not None and crc.size > expected_size:
-                        raise ChecksumMismatchError(
-                            f"object is larger than its receipt's {expected_size} bytes",
-                            key=key,
-                            location=self.location,
-                        )
-                    yield chunk
-                if pacer is not None:
-                    pacer.report(epoch, throttled=False)
-                break
-            except TransientError as exc:
-                if pacer is not None:
-                    pacer.report(epoch, throttled=is_throttling(exc))
-                # A resume that delivered a real amount of data earns a fresh budget: a long
-                # download may meet several unrelated resets. One that delivered little or
-                # nothing counts against the policy's attempts and deadline.
-                if crc.size - resumed_at >= DEFAULT_READ_CHUNK:
-                    retries = 0
-                if retries == 0:
-                    streak_started = time.monotonic()
-                retries += 1
-                policy = self._stream_policy()
-                spent = time.monotonic() - streak_started
-                if retries >= policy.max_attempts or spent >= policy.deadline:
-                    raise policy.exhausted(exc, retries, spent) from exc.__cause__
-                self._notify_retry(exc, retries)
-                # never sleep past the budget: the last try starts before it ends
-                time.sleep(min(policy.backoff(retries), max(0.0, policy.deadline - spent)))
-        if expected_size is not None and crc.size != expected_size:
-            raise ChecksumMismatchError(
-                f"size mismatch: read {crc.size} bytes, receipt says {expected_size}",
-                key=key,
-                location=self.location,
-            )
-        if expected_crc32c is not None and crc.b64 != expected_crc32c:
-            raise ChecksumMismatchError(
-                f"CRC32C mismatch: read {crc.b64}, receipt says {expected_crc32c}",
-                key=key,
-                location=self.location,
-            )
-
-    def _stream_policy(self) -> RetryPolicy:
-        """The policy for the resumes of a stream: the store's, cut down to what remains of an
-        enclosing :func:`time_budget` (as for every request)."""
-        left = budget_remaining()
-        if left is not None and left < self.retry.deadline:
-            return dataclasses.replace(self.retry, deadline=round(max(0.0, left), 1))
-        return self.retry
-
-    def get_verified(
-        self, key: str, *, expected_size: int | None = None, expected_crc32c: str | None = None
-    ) -> bytes:
-        """The whole object, only if its size and CRC32C match (``ChecksumMismatchError``)."""
-        return b"".join(self.get_stream(key, expected_size=expected_size, expected_crc32c=expected_crc32c))
-
     def head(self, key: str) -> ObjectMeta:
         """Size, version and (when known) CRC32C.
 
@@ -855,212 +398,26 @@ class Store(ABC):
             )
 
 
-def iter_parts(source: BytesSource, part_size: int) -> Iterator[memoryview]:
-    """Re-chunk ``source`` into ``part_size`` views (the last may be shorter).
-
-    Zero-copy where a part lies inside one source buffer (e.g. a tensor's memory); a part that
-    spans buffers is assembled in a fresh bytearray, so at most one part is held here.
-    """
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        view = memoryview(source).cast("B")
-        for start in range(0, view.nbytes, part_size):
-            yield view[start : start + part_size]
-        return
-    if hasattr(source, "readinto") or hasattr(source, "read"):
-        # Duck-typed file object: mypy cannot narrow the union to IO[bytes] by attribute.
-        yield from _iter_file_parts(cast("IO[bytes]", source), part_size)
-        return
-    pending: bytearray | None = None
-    for chunk in source:
-        view = memoryview(chunk).cast("B")
-        pos = 0
-        if pending is not None:
-            take = min(part_size - len(pending), view.nbytes)
-            pending += view[:take]
-            pos = take
-            if len(pending) < part_size:
-                continue
-            yield memoryview(pending)
-            pending = None
-        while view.nbytes - pos >= part_size:
-            yield view[pos : pos + part_size]
-            pos += part_size
-        if pos < view.nbytes:
-            pending = bytearray(view[pos:])
-    if pending:
-        yield memoryview(pending)
-
-
-def _iter_file_parts(fileobj: IO[bytes], part_size: int) -> Iterator[memoryview]:
-    while True:
-        buf = bytearray(part_size)
-        filled = 0
-        while filled < part_size:
-            if hasattr(fileobj, "readinto"):
-                n = fileobj.readinto(memoryview(buf)[filled:])
-            else:
-                data = fileobj.read(part_size - filled)
-                n = len(data)
-                buf[filled : filled + n] = data
-            if not n:
-                break
-            filled += n
-        if filled:
-            yield memoryview(buf)[:filled]
-        if filled < part_size:
-            return
-
-
-class _Scatter:
-    """Copies a stream of chunks into consecutive buffers (the default ``get_into``)."""
-
-    def __init__(self, buffers: list[memoryview]) -> None:
-        self._buffers = [b for b in buffers if b.nbytes]
-        self._index = 0
-        self._pos = 0
-        self.filled = 0
-
-    def write(self, chunk: memoryview) -> None:
-        taken = 0
-        while taken < chunk.nbytes and self._index < len(self._buffers):
-            dest = self._buffers[self._index]
-            n = min(dest.nbytes - self._pos, chunk.nbytes - taken)
-            dest[self._pos : self._pos + n] = chunk[taken : taken + n]
-            taken += n
-            self._pos += n
-            self.filled += n
-            if self._pos == dest.nbytes:
-                self._index += 1
-                self._pos = 0
-
-
-def advance(buffers: list[memoryview], n: int) -> list[memoryview]:
-    """``buffers`` with their first ``n`` bytes dropped (after a short vectored read/write)."""
-    out = list(buffers)
-    while n and out:
-        if n >= out[0].nbytes:
-            n -= out[0].nbytes
-            out.pop(0)
-        else:
-            out[0] = out[0][n:]
-            n = 0
-    return [b for b in out if b.nbytes]
-
-
-class _Part:
-    """One part as it is sent: consecutive buffers, their total size and CRC32C."""
-
-    __slots__ = ("buffers", "size", "crc", "_assembly")
-
-    def __init__(self) -> None:
-        self.buffers: list[memoryview] = []
-        self.size = 0
-        self.crc = 0
-        self._assembly: bytearray | None = None  # copied pieces (not borrowing)
-
-    def add(self, piece: memoryview, crc: int, *, copy: bool) -> None:
-        if copy:
-            if self._assembly is None:
-                self._assembly = bytearray()
-            self._assembly += piece
-        else:
-            self._seal()
-            self.buffers.append(piece)
-        self.crc = crc32c_combine(self.crc, crc, piece.nbytes)
-        self.size += piece.nbytes
-
-    def _seal(self) -> None:
-        if self._assembly is not None:
-            self.buffers.append(memoryview(self._assembly))
-            self._assembly = None
-
-    def done(self) -> _Part:
-        self._seal()
-        return self
-
-
-def _source_buffers(source: BytesSource, part_size: int) -> Iterator[Buffer]:
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        yield source
-    elif hasattr(source, "readinto") or hasattr(source, "read"):
-        yield from _iter_file_parts(source, part_size)  # type: ignore[arg-type]
-    else:
-        yield from source
-
-
-def _cut_parts(source: BytesSource, part_size: int, borrow: bool, sums: StreamChecksums) -> Iterator[_Part]:
-    """``source`` as parts of ``part_size`` bytes (the last may be shorter), hashing each byte
-    once: per piece (one buffer's share of one part), combined into the part's, the buffer's
-    and the whole object's CRC32C in ``sums``. A part inside one buffer is a view of it; a
-    piece of a straddling part is copied into the part unless ``borrow``."""
-    # one caller buffer, or the fresh buffers read from a file: views of them are always safe
-    borrow = borrow or isinstance(source, (bytes, bytearray, memoryview)) or hasattr(source, "read")
-    part = _Part()
-    for chunk in _source_buffers(source, part_size):
-        view = memoryview(chunk).cast("B")
-        chunk_crc, pos = 0, 0
-        while pos < view.nbytes:
-            n = min(part_size - part.size, view.nbytes - pos)
-            piece = view[pos : pos + n]
-            crc = crc32c_of(piece)  # the one pass over these bytes
-            whole_part_here = part.size == 0 and n == part_size
-            part.add(piece, crc, copy=not (borrow or whole_part_here))
-            chunk_crc = crc32c_combine(chunk_crc, crc, n)
-            sums.crc = crc32c_combine(sums.crc, crc, n)
-            sums.size += n
-            pos += n
-            if part.size == part_size:
-                sums.parts += 1
-                yield part.done()
-                part = _Part()
-        sums.chunks.append((chunk_crc, view.nbytes))
-    if part.size:
-        sums.parts += 1
-        yield part.done()
-
-
-def _joined(buffers: list[memoryview]) -> memoryview:
-    if len(buffers) == 1:
-        return buffers[0]
-    return memoryview(b"".join(buffers))
-
-
-def _chain(head: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
-    """``head``'s parts, then ``rest``'s; keeps no reference to a part it has handed out."""
-    while head:
-        yield head.pop(0)
-    yield from rest
-
-
-def _wait_first(
-    futures: set[Future[PartResult]],
-) -> tuple[set[Future[PartResult]], set[Future[PartResult]]]:
-    done, pending = wait(futures, return_when=FIRST_COMPLETED)
-    return set(done), set(pending)
-
-
-def _collect(done: set[Future[PartResult]], progress: Callable[[int], None] | None) -> list[PartResult]:
-    out = []
-    for fut in done:
-        result = fut.result()  # re-raises the part's error
-        if progress:
-            progress(result.size)
-        out.append(result)
-    return out
-
-
 __all__ = [
+    "BIG_OBJECT_SIZE",
+    "BIG_PART_SIZE",
     "BytesSource",
     "Capabilities",
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_PART_SIZE",
+    "DEFAULT_READ_CHUNK",
+    "MAX_DELETE_BATCH",
+    "MAX_PARTS",
+    "MiB",
     "ObjectMeta",
+    "PROBE_PREFIX",
     "PartResult",
     "PendingUpload",
     "PutMode",
     "Store",
     "StreamChecksums",
     "UploadHandle",
+    "advance",
     "encode_crc32c",
     "iter_parts",
     "budget_remaining",

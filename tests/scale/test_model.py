@@ -158,12 +158,15 @@ def test_the_virtual_clock_never_sleeps_for_real(monkeypatch: pytest.MonkeyPatch
         # the shims inside the patched modules read the timeline
         import tenacity.nap
 
-        import objckpt.store.base as base
+        import objckpt.store._budget as budget
+        import objckpt.store._reads as reads
 
         before = tl.now
         tenacity.nap.time.sleep(1000.0)
         assert tl.now == pytest.approx(before + 1000.0)
-        assert base.time.monotonic() == tl.now
+        # the store's own clock reads: get_stream's resume loop and the shared time budget
+        assert reads.time.monotonic() == tl.now
+        assert budget.time.monotonic() == tl.now
     real = time.perf_counter() - started
     assert slept_in_simulation == []
     assert 300.0 <= tl.now - 1000.0 <= 303.0  # the policy's deadline held on the virtual clock

@@ -26,10 +26,10 @@ timeline (any other thread of the process sees the real functions):
 
 * ``time.sleep`` / ``time.monotonic`` / ``time.perf_counter`` as seen by the modules in
   :data:`PATCHED_MODULES`: tenacity (the store's retry policy: its backoff sleeps and its
-  ``stop_after_delay`` deadline), ``tenacity.nap``, ``objckpt.store.base`` (``get_stream``'s own
-  resume loop) and the save/restore sessions (their metrics timestamps). Each module's ``time``
-  global is replaced by a shim module; ``time.time()`` (wall clock: ``created_at``,
-  ``last_modified``) stays real.
+  ``stop_after_delay`` deadline), ``tenacity.nap``, ``objckpt.store._reads`` (``get_stream``'s
+  own resume loop), ``objckpt.store._budget`` (the time budget nested requests share) and the
+  save/restore sessions (their metrics timestamps). Each module's ``time`` global is replaced
+  by a shim module; ``time.time()`` (wall clock: ``created_at``, ``last_modified``) stays real.
 * ``ThreadPoolExecutor.submit`` / ``.shutdown`` and ``Future.result`` / ``.exception``: a task
   submitted by a thread with a timeline runs on a worker timeline that starts at the submitter's
   time, or when one of the pool's ``max_workers`` virtual lanes for that submitter is free (so a
@@ -77,7 +77,8 @@ __all__ = [
 PATCHED_MODULES: tuple[str, ...] = (
     "tenacity",
     "tenacity.nap",
-    "objckpt.store.base",
+    "objckpt.store._reads",
+    "objckpt.store._budget",
     "objckpt.coordination.save",
     "objckpt.coordination.restore",
 )
