@@ -423,10 +423,12 @@ def render(
         "*Before* = every switch off (today's design before the fixes). *After* = every built fix on. "
         f"Above {MAX_THREADS:,} ranks, {MAX_THREADS:,} threads host the ranks (several per thread, see "
         "[the simulator](#the-simulator)), each scenario runs under a time limit and its restore under a "
-        "smaller request budget; *after* runs there without `replicated_read_once` (its collective of "
-        "every rank needs a thread per rank, and 16,384 threads make each barrier ~36 s on this machine). "
-        "*Each fix alone* runs at 512 ranks (at 4,096, read-once alone costs ~8 min here: 16.7 M "
-        "simulated broadcasts).",
+        "smaller request budget; *after* runs there without `replicated_read_once`: its collective of "
+        "every rank needs a thread per rank in the restore (`ScaleOptions.restore_max_threads`), and at "
+        "16,384 threads one gather (two barrier rounds) takes ~110 s on this machine and `read_shared` "
+        "~90 ms of CPU per rank (~24 min for 16,384 ranks; measured), past the time limit. "
+        "*Each fix alone* runs at 512 ranks (at 4,096 ranks a read-once restore takes ~3 min here, "
+        "its exchange one simulated all-gather).",
         "",
         "## Goals of the issue, at 4,096 ranks x 8 shards",
         "",

@@ -27,7 +27,9 @@ SIMULATOR = [
     "mirror of `CheckpointManager`'s layout: `shard-NN.bin` x 7 + `replicated.bin`; before the fix a "
     "restore reads its own shards and every `replicated.bin`, 8 reads in flight); sizes (`byte_scale`). "
     "Byte broadcasts (`Comm.broadcast_bytes`, also from `src` != 0) are a rendezvous on the source's "
-    "thread instead of a barrier of every thread. Beyond 4,096 ranks, 4 ranks per `ThreadWorld` thread: "
+    "thread instead of a barrier of every thread; the read-once exchange (`Comm.all_gather_bytes`, one "
+    "collective per restore) is one rendezvous of every thread, every rank getting the same list, its "
+    "cost the gloo transport's rounds (`exchange_rounds` under `EXCHANGE_BUDGET`). Beyond 4,096 ranks, 4 ranks per `ThreadWorld` thread: "
     "the sessions still see N ranks and the coordinator verifies N ranks' receipts, every rank's I/O runs "
     "on its own thread and timeline, but a thread's other ranks contribute its first rank's values to "
     "the handshake and staging verdicts (their own receipts, and listings, to the commit). Every rank "
@@ -95,10 +97,6 @@ HOOKS = [
     "rank's virtual clock and reports every try's answer to a real `Pacer` per rank (one Pacer per store "
     "object would be shared by every simulated rank, so the store's own `pacing` stays off). Not "
     "covered: retention's pool of 16 HEADs counts as 1 in flight.",
-    "- **A byte path on `Comm` without per-shard collectives**: `read_shared` makes one broadcast per "
-    "replicated shard, W of them per restore (a broadcast of all of a rank's shards at once, or an "
-    "all-gather, would make it one collective per rank); the simulator models each broadcast's "
-    "latency and bandwidth.",
     "- **Timing hooks on `SaveSession`** (commit and retention durations and request counts): the "
     "simulator subclasses `SaveSession` to time `commit` and `retain`.",
 ]

@@ -13,6 +13,9 @@ TIMEOUT = 1800.0
 #: seconds a rank waits for the others to enter save/restore; a save called by rank 0 alone
 #: raises DistributedError after this long instead of hanging
 HANDSHAKE_TIMEOUT = 300.0
+#: bytes of the padded buffer one round of ``Comm.all_gather_bytes`` may hold on a rank (over
+#: gloo: world_size x the round's widest contribution); larger exchanges take several rounds
+EXCHANGE_BUDGET = 256 * 1024 * 1024
 #: committed checkpoints kept by CheckpointManager's retention
 KEEP_LAST = 3
 #: unreferenced attempt data and incomplete uploads younger than this are never collected;
@@ -23,4 +26,11 @@ GC_GRACE_PERIOD = timedelta(hours=6)
 #: they were abandoned, then collected
 KEEP_ABANDONED = timedelta(days=7)
 
-__all__ = ["GC_GRACE_PERIOD", "HANDSHAKE_TIMEOUT", "KEEP_ABANDONED", "KEEP_LAST", "TIMEOUT"]
+__all__ = [
+    "EXCHANGE_BUDGET",
+    "GC_GRACE_PERIOD",
+    "HANDSHAKE_TIMEOUT",
+    "KEEP_ABANDONED",
+    "KEEP_LAST",
+    "TIMEOUT",
+]

@@ -1,8 +1,9 @@
 """What the save and restore sessions need from the process world, and two torch-free worlds.
 
 A :class:`Comm` moves small JSON-able values between the ranks of one job: ``gather`` to rank 0,
-``broadcast`` from rank 0, and ``broadcast_bytes`` for raw bytes from any rank (a resolved manifest, a shard read once for
-the whole job). On top of
+``broadcast`` from rank 0; and raw bytes: ``broadcast_bytes`` from any rank (a resolved manifest),
+``all_gather_bytes`` from every rank to every rank in one collective (the replicated shards read
+once for the whole job, each rank contributing those it read). On top of
 them :func:`agree` is the protocol's one decision primitive: every rank sends what it knows, rank 0
 decides, and every rank returns the same value or raises the same error (invariants 4, 5, 13).
 
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 
 from ..errors import DistributedError, decode_error, encode_error
 
-__all__ = ["Comm", "LocalComm", "ThreadComm", "ThreadWorld", "agree"]
+__all__ = ["Comm", "LocalComm", "ThreadComm", "ThreadWorld", "agree", "exchange_rounds"]
 
 T = TypeVar("T")
 
@@ -82,6 +83,40 @@ class Comm(ABC):
             raise DistributedError(f"{what}: rank {src} sent no bytes")
         return base64.b64decode(got)
 
+    def all_gather_bytes(self, data: bytes | None, sizes: Sequence[int], what: str) -> Sequence[bytes]:
+        """Every rank's bytes on every rank, in rank order: rank ``r`` contributes exactly
+        ``sizes[r]`` bytes. ``sizes`` is known to every rank in advance (every rank passes the
+        same list), so no length is exchanged; ``data`` may be ``None`` where this rank's size is
+        0. A collective of every rank. This rank's own entry is ``data`` itself; the returned
+        sequence may be shared with other ranks of the same process (:class:`ThreadComm`): read
+        it, never modify it.
+
+        The default sends each non-empty contribution with :meth:`broadcast_bytes` (one
+        collective per contributing rank, so any Comm works); :class:`ThreadComm` and the gloo
+        ``DistComm`` override it with one rendezvous (gloo: one all-gather per round of at most
+        ``defaults.EXCHANGE_BUDGET`` padded bytes, see :func:`exchange_rounds`).
+
+        Raises:
+            ValueError: ``sizes`` is not ``world_size`` non-negative ints (every rank passes the
+                same list, so every rank raises, before any collective); or this rank's ``data``
+                is not ``sizes[rank]`` bytes: it still takes part (sending its bytes cut or
+                zero-padded to that size, so no rank is left waiting) and raises afterwards.
+            DistributedError: a rank did not take part in time, or the communicator is broken.
+        """
+        sizes = _check_sizes(self, sizes, what)
+        got = self._all_gather_bytes(_fit(data, sizes[self.rank]), sizes, what)
+        _raise_unfit(self, data, sizes, what)
+        return got
+
+    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+        """:meth:`all_gather_bytes` once the arguments are checked (``mine`` is exactly
+        ``sizes[rank]`` bytes): what a transport overrides."""
+        out: list[bytes] = []
+        for src, n in enumerate(sizes):
+            got = self.broadcast_bytes(mine if src == self.rank else None, what, src=src) if n else b""
+            out.append(mine if src == self.rank else got)
+        return out
+
     def background(self) -> Comm:
         """The communicator reserved for a background save thread (its own channel, so its
         collectives never interleave with the training thread's). Default: this one."""
@@ -123,6 +158,44 @@ def agree(
     return outcome["ok"]  # type: ignore[no-any-return]
 
 
+def exchange_rounds(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """The rounds of a bounded all-gather of ``sizes`` (one contribution per rank), as
+    ``(offset, width)``: in each round every rank sends ``width`` bytes (its bytes from
+    ``offset``, zero-padded), so the gathered buffer is ``len(sizes) x width`` bytes, at most
+    ``max(budget, len(sizes))``. No round when every size is 0. The same on every rank (a
+    function of ``sizes`` and ``budget`` alone)."""
+    longest = max(sizes, default=0)
+    chunk = max(1, budget // max(1, len(sizes)))
+    return [(offset, min(chunk, longest - offset)) for offset in range(0, longest, chunk)]
+
+
+def _check_sizes(comm: Comm, sizes: Sequence[int], what: str) -> list[int]:
+    out = list(sizes)
+    if len(out) != comm.world_size or not all(isinstance(n, int) and n >= 0 for n in out):
+        raise ValueError(f"{what}: sizes must be {comm.world_size} non-negative ints, got {out!r}")
+    return out
+
+
+def _fit(data: bytes | None, n: int) -> bytes:
+    """``data`` as exactly ``n`` bytes (cut or zero-padded): what a rank whose contribution is
+    the wrong size still sends, so that the collective completes (it raises afterwards)."""
+    if data is None:
+        return bytes(n)
+    if len(data) == n:
+        return data if isinstance(data, bytes) else bytes(data)
+    return bytes(data[:n]).ljust(n, b"\0")
+
+
+def _raise_unfit(comm: Comm, data: bytes | None, sizes: Sequence[int], what: str) -> None:
+    n = sizes[comm.rank]
+    have = 0 if data is None else len(data)
+    if have != n:
+        raise ValueError(
+            f"{what}: rank {comm.rank} contributed {have} bytes where every rank expected "
+            f"{n} (sent cut or zero-padded to that size)"
+        )
+
+
 def _check_src(comm: Comm, src: int, what: str) -> None:
     if not isinstance(src, int) or not 0 <= src < comm.world_size:
         raise ValueError(f"{what}: source rank {src!r} outside world of size {comm.world_size}")
@@ -143,6 +216,9 @@ class LocalComm(Comm):
         if data is None:
             raise DistributedError(f"{what}: rank 0 sent no bytes")
         return bytes(data)
+
+    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+        return [mine]
 
 
 class ThreadWorld:
@@ -166,6 +242,8 @@ class ThreadWorld:
         self._barrier = threading.Barrier(world_size, timeout=timeout)
         self._slots: list[Any] = [None] * world_size
         self._value: Any = None
+        # the list the next all-gather of bytes fills (a new one per collective: see _all_gather)
+        self._gathered: list[bytes] = [b""] * world_size
         #: collectives completed (rank 0's count), for tests that bound the protocol's traffic
         self.collectives = 0
         self._channels: dict[str, ThreadWorld] = {}
@@ -262,6 +340,22 @@ class ThreadWorld:
             self.collectives += 1
         return out
 
+    def _all_gather(self, rank: int, data: bytes, what: str) -> list[bytes]:
+        """Every rank's bytes on every rank, one rendezvous: each rank fills its entry of one
+        list, and every rank returns that very list (no copy per receiver: at thousands of
+        ranks, W receivers each copying W entries would be W^2 work). Rank 0 puts a fresh list
+        in place after the first barrier; the second barrier keeps every rank from starting the
+        next all-gather before then, so a returned list is never written again."""
+        slots = self._gathered
+        slots[rank] = data
+        self._wait(rank, what)  # everyone has published into ``slots``
+        if rank == 0:
+            self._gathered = [b""] * self.world_size
+        self._wait(rank, what)
+        if rank == 0:
+            self.collectives += 1
+        return slots
+
     def abort(self) -> None:
         """Break the barrier: every rank waiting (now or later) raises DistributedError."""
         self._barrier.abort()
@@ -300,6 +394,11 @@ class ThreadComm(Comm):
         if got is None:
             raise DistributedError(f"{what}: rank {src} sent no bytes")
         return got
+
+    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+        """One rendezvous (two barrier rounds, as every collective here); every rank gets the
+        same list (see :meth:`ThreadWorld._all_gather`)."""
+        return self._run(what, lambda: self.world._all_gather(self.rank, mine, what))
 
     def background(self) -> Comm:
         return ThreadComm(self.world.channel("background"), self.rank)

@@ -15,11 +15,15 @@ lowest rank), so every rank computes the same plan without a message. Then:
    shard) becomes the same damage error on every rank, so the restore session falls back on every
    rank together; anything else (an outage past the retry budget, a permission or configuration
    error) is raised on every rank and is never a fallback;
-3. each shard is broadcast from its reader (:meth:`Comm.broadcast_bytes` with ``src``: one
-   tensor broadcast per shard over gloo), and every receiving rank checks its size and CRC32C
-   against the receipt before anything uses it. Bytes that arrive different from what the
-   manifest says are a :class:`DistributedError` (the transport, not the checkpoint, is at
-   fault: no fallback), raised after the last broadcast so no rank leaves a collective behind.
+3. one exchange (:meth:`Comm.all_gather_bytes`): each rank contributes the shards it read,
+   concatenated in key order; every rank knows every contribution's size from the receipts, so
+   no length is sent, and the number of collectives does not grow with the world or the number
+   of shards (over gloo: one all-gather per round of at most ``defaults.EXCHANGE_BUDGET`` padded
+   bytes, ``ceil(W x largest contribution / budget)`` rounds; it was two broadcasts per shard).
+   Every receiving rank splits each contribution by the receipts and checks each shard's size
+   and CRC32C against its receipt before anything uses it. Bytes that arrive different from what
+   the manifest says are a :class:`DistributedError` (the transport, not the checkpoint, is at
+   fault: no fallback), raised after the exchange so no rank leaves a collective behind.
 
 Torch-free: it moves bytes; decoding is the caller's.
 """
@@ -79,7 +83,7 @@ def read_shared(
         StoreError (not damage), any other error of a read: raised on every rank, prefixed with
             the reading rank.
         DistributedError: a rank did not take part in time; or (on the receiving rank only,
-            after every broadcast) bytes received differ from the receipt's size or CRC32C.
+            after the exchange) bytes received differ from the receipts' sizes or CRC32C.
     """
     unique = {r.key: r for r in receipts}
     ordered = sorted(unique.values(), key=lambda r: r.key)
@@ -98,14 +102,35 @@ def read_shared(
     if error is not None:
         verdict["damaged" if is_damage(error) else "fatal"] = encode_error(error)
     agree(comm, verdict, _decide_reads, f"{what}: reading the shared shards")
-    corrupt: list[str] = []
+    # every rank knows every contribution from the plan: the owner's shards in key order
+    owned: list[list[ShardReceipt]] = [[] for _ in range(comm.world_size)]
     for r in ordered:
-        src = owners[r.key]
-        data = comm.broadcast_bytes(got.get(r.key) if src == comm.rank else None, f"{what}: {r.key}", src=src)
-        if src != comm.rank and (len(data) != r.size or crc32c_b64(data) != r.crc32c):
-            corrupt.append(f"{r.key} from rank {src}: {len(data)} bytes, CRC32C {crc32c_b64(data)}")
+        owned[owners[r.key]].append(r)
+    sizes = [sum(r.size for r in rs) for rs in owned]
+    mine = owned[comm.rank]
+    # one shard (the usual case at scale, W shards on W ranks) is sent as is, without a copy
+    contribution = got[mine[0].key] if len(mine) == 1 else b"".join(got[r.key] for r in mine)
+    blobs = comm.all_gather_bytes(contribution, sizes, f"{what}: the shared shards")
+    del contribution
+    corrupt: list[str] = []
+    for src, receipts_of in enumerate(owned):
+        if src == comm.rank or not receipts_of:
             continue
-        got[r.key] = data
+        blob = blobs[src]
+        if len(blob) != sizes[src]:
+            corrupt.append(f"{len(blob)} bytes from rank {src}, {sizes[src]} expected")
+            continue
+        offset = 0
+        for r in receipts_of:
+            # a slice of the whole of a bytes object is that object: no copy for a lone shard
+            data = blob[offset : offset + r.size]
+            offset += r.size
+            crc = crc32c_b64(data)
+            if crc != r.crc32c:
+                corrupt.append(f"{r.key} from rank {src}: {len(data)} bytes, CRC32C {crc}")
+                continue
+            got[r.key] = data
+    del blobs
     if corrupt:
         raise DistributedError(
             f"{what}: rank {comm.rank} received shard bytes that differ from the manifest's receipts "
@@ -124,7 +149,7 @@ def _digest(receipts: Sequence[ShardReceipt]) -> str:
 def _decide_reads(verdicts: list[dict[str, Any]]) -> bool:
     """Rank 0: any non-damage error outranks damage (it must never turn into a fallback); the
     first failing rank's error is raised on every rank; then every rank must have planned the
-    same shards (else the broadcasts that follow would not pair up)."""
+    same shards (else the exchange that follows would not pair up: other sizes, other splits)."""
     for kind in ("fatal", "damaged"):
         for rank, v in enumerate(verdicts):
             if kind in v:

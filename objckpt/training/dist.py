@@ -34,14 +34,14 @@ import atexit
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from ..coordination.comm import Comm, LocalComm
-from ..defaults import HANDSHAKE_TIMEOUT, TIMEOUT
+from ..coordination.comm import Comm, LocalComm, exchange_rounds
+from ..defaults import EXCHANGE_BUDGET, HANDSHAKE_TIMEOUT, TIMEOUT
 from ..errors import DistributedError
 
 __all__ = ["DistComm", "make_comm"]
@@ -57,7 +57,8 @@ class DistComm(Comm):
 
     Construction calls ``torch.distributed.new_group`` twice (three times with ``background``):
     it is itself a collective on the default group, so every rank must construct it, in the
-    same order, with the same ``background``. With ``ranks`` (the members of a subgroup, e.g. a
+    same order, with the same ``background``. ``exchange_budget``: the padded bytes one round
+    of :meth:`all_gather_bytes` may hold (the same on every rank). With ``ranks`` (the members of a subgroup, e.g. a
     DCP ``process_group``) the groups span only those ranks, only they construct it, and
     ``rank``/``world_size`` are the ranks within them.
     """
@@ -69,6 +70,7 @@ class DistComm(Comm):
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         background: bool = False,
         ranks: list[int] | None = None,
+        exchange_budget: int = EXCHANGE_BUDGET,
     ) -> None:
         dist = torch.distributed
         members = sorted(ranks) if ranks is not None else None
@@ -79,6 +81,7 @@ class DistComm(Comm):
         )
         self.timeout = timeout
         self.handshake_timeout = handshake_timeout
+        self.exchange_budget = exchange_budget
         self._broken: str | None = None
         self._owner = True
         self._background_view: DistComm | None = None
@@ -108,6 +111,7 @@ class DistComm(Comm):
             view = DistComm.__new__(DistComm)
             view.rank, view.world_size = self.rank, self.world_size
             view.timeout = view.handshake_timeout = self.timeout
+            view.exchange_budget = self.exchange_budget
             view._broken = None  # its own state: a failure there says nothing about our groups
             view._owner = False  # the owner destroys the group
             view._background_view = None
@@ -190,12 +194,69 @@ class DistComm(Comm):
 
     def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
         """Rank ``src``'s ``data`` on every rank: its length, then one uint8 tensor broadcast
-        over the data group (large payloads, e.g. a replicated shard read once for the job)."""
+        over the data group (large payloads, e.g. a resolved manifest)."""
         if not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"{what}: source rank {src!r} outside world of size {self.world_size}")
         if self.rank == src and data is None:
             raise DistributedError(f"{what}: rank {src} has no bytes to send")
         return self._broadcast_raw((data or b"") if self.rank == src else b"", what, False, src)
+
+    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+        """Every rank's bytes on every rank (see :meth:`Comm.all_gather_bytes`): one gloo
+        all-gather of uint8 tensors per round of :func:`exchange_rounds` over the data group, and
+        no length collective (every rank knows ``sizes``). No collective at all when every size is
+        0.
+
+        Memory on each rank, beyond the returned bytes (``sum(sizes)``, own entry included):
+        one round's gathered buffer, ``world_size x width <= max(exchange_budget, world_size)``
+        bytes (``exchange_budget``: :data:`objckpt.defaults.EXCHANGE_BUDGET` unless set on the
+        communicator), plus its own ``width``-byte input; with several rounds each rank's bytes
+        are assembled in a ``bytearray`` and turned into ``bytes`` one rank at a time (one more
+        copy of the largest contribution at a time). A contribution larger than
+        ``exchange_budget / world_size`` takes several rounds: ``ceil(max(sizes) x world_size /
+        exchange_budget)`` collectives in all."""
+        rounds = exchange_rounds(sizes, self.exchange_budget)
+        group = self._data
+
+        def go() -> list[bytes]:
+            dist = torch.distributed
+            # torch 2.13 renames all_gather_into_tensor (one collective either way)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            parts: list[bytearray | None] = [
+                bytearray(n) if len(rounds) > 1 and r != self.rank else None for r, n in enumerate(sizes)
+            ]
+            out: list[bytes] = [b""] * self.world_size
+            for offset, width in rounds:
+                source = bytearray(width)
+                piece = memoryview(mine)[offset : offset + width]
+                source[: len(piece)] = piece
+                # received straight into a buffer whose slices become the returned bytes
+                received = bytearray(self.world_size * width)
+                gather(
+                    torch.frombuffer(received, dtype=torch.uint8),
+                    torch.frombuffer(source, dtype=torch.uint8),
+                    group=group,
+                )
+                flat = memoryview(received)
+                for r, n in enumerate(sizes):
+                    take = min(width, n - offset)
+                    if r == self.rank or take <= 0:
+                        continue
+                    part = parts[r]
+                    if part is None:  # a single round: straight from the gathered buffer
+                        out[r] = bytes(flat[r * width : r * width + take])
+                    else:
+                        part[offset : offset + take] = flat[r * width : r * width + take]
+                del flat, received
+            for r, part in enumerate(parts):
+                if part is not None:
+                    out[r], parts[r] = bytes(part), None
+            out[self.rank] = mine
+            return out
+
+        if not rounds:
+            return [mine if r == self.rank else b"" for r in range(self.world_size)]
+        return self._run(what, False, go)
 
     def close(self) -> None:
         """Destroy the gloo groups (owner only); idempotent, never raises."""

@@ -7,6 +7,8 @@ holding; errors follow the one damage rule on every rank.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -135,36 +137,103 @@ def test_ranks_asking_for_different_shards_raise_instead_of_hanging():
     assert all(isinstance(r, DistributedError) and "ranks [1]" in str(r) for r in results), results
 
 
-class _Flipping(Comm):
-    """A comm whose byte path corrupts what one rank receives (a broken transport)."""
+class _Basic(Comm):
+    """A comm with only the abstract primitives and ``broadcast_bytes`` of ``inner``: what a
+    Comm that does not override ``all_gather_bytes`` gets (the default, in terms of them)."""
 
-    def __init__(self, inner: Comm, victim: int) -> None:
-        self.inner, self.rank, self.world_size, self.victim = inner, inner.rank, inner.world_size, victim
+    def __init__(self, inner: Comm) -> None:
+        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.calls: collections.Counter[str] = collections.Counter()
 
     def gather(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
+        self.calls["gather"] += 1
         return self.inner.gather(obj, what, handshake=handshake)
 
     def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
+        self.calls["broadcast"] += 1
         return self.inner.broadcast(obj, what, handshake=handshake)
 
     def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
-        got = self.inner.broadcast_bytes(data, what, src=src)
-        if self.rank == self.victim and src != self.rank and got:
-            return bytes([got[0] ^ 1]) + got[1:]
-        return got
+        self.calls["broadcast_bytes"] += 1
+        return self.inner.broadcast_bytes(data, what, src=src)
 
 
-def test_bytes_corrupted_in_transit_are_caught_by_the_receiver_and_are_not_damage():
+class _Counting(_Basic):
+    """Counts the calls of each collective, and passes ``all_gather_bytes`` through."""
+
+    def all_gather_bytes(self, data: bytes | None, sizes: Sequence[int], what: str) -> Sequence[bytes]:
+        self.calls["all_gather_bytes"] += 1
+        return self.inner.all_gather_bytes(data, sizes, what)
+
+
+class _Flipping(_Counting):
+    """A comm whose byte path corrupts what one rank receives from the others (a broken
+    transport): the first byte of each, or (``cut``) the last byte dropped."""
+
+    def __init__(self, inner: Comm, victim: int, *, cut: bool = False) -> None:
+        super().__init__(inner)
+        self.victim, self.cut = victim, cut
+
+    def all_gather_bytes(self, data: bytes | None, sizes: Sequence[int], what: str) -> Sequence[bytes]:
+        got = super().all_gather_bytes(data, sizes, what)
+        if self.rank != self.victim:
+            return got
+        return [
+            b if src == self.rank or not b else b[:-1] if self.cut else bytes([b[0] ^ 1]) + b[1:]
+            for src, b in enumerate(got)
+        ]
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_bytes_corrupted_in_transit_are_caught_by_the_receiver_and_are_not_damage(cut: bool):
     inner = memory_store()
     receipts = _write_shared(inner, [1000, 900, 800, 700])
 
     def rank(comm: Comm) -> Any:
-        return read_shared(_Flipping(comm, victim=2), Reader(inner), receipts, "test")
+        return read_shared(_Flipping(comm, victim=2, cut=cut), Reader(inner), receipts, "test")
 
     results = _run(WORLD, rank)
     assert isinstance(results[2], DistributedError) and not is_damage(results[2])
     assert "rank 2 received" in str(results[2])
+    assert ("expected" in str(results[2])) == cut  # a contribution of the wrong size: named so
     assert all(isinstance(r, dict) and len(r) == 4 for i, r in enumerate(results) if i != 2)
+
+
+@pytest.mark.parametrize(("world_size", "shards"), [(2, 2), (4, 4), (4, 16), (8, 8), (8, 40)])
+def test_the_exchange_is_one_collective_whatever_the_world_and_the_shards(world_size: int, shards: int):
+    """Issue 13: the bytes cross the process group in one all-gather, not one broadcast per
+    shard (which at W owners was >= W collectives, ~2W over gloo). The read-once protocol is
+    the agreement on the reads (a gather and a broadcast) plus that one exchange."""
+    inner = memory_store()
+    receipts = _write_shared(inner, [100 + 37 * i for i in range(shards)])
+    world = ThreadWorld(world_size, timeout=30)
+    comms: list[_Counting] = []
+
+    def rank(comm: Comm) -> Any:
+        counting = _Counting(comm)
+        comms.append(counting)
+        return read_shared(counting, Reader(inner), receipts, "test")
+
+    results = world.run(rank)
+    assert all(r == {x.key: inner.get(x.key) for x in receipts} for r in results)
+    assert world.collectives == 3  # gather + broadcast (agree) + one all-gather
+    assert all(c.calls == {"gather": 1, "broadcast": 1, "all_gather_bytes": 1} for c in comms)
+
+
+def test_a_comm_without_a_byte_exchange_of_its_own_gets_the_same_bytes_by_broadcasts():
+    inner = memory_store()
+    receipts = _write_shared(inner, [1000, 900, 800, 700, 600, 20])
+    comms: list[_Basic] = []
+
+    def rank(comm: Comm) -> Any:
+        basic = _Basic(comm)
+        comms.append(basic)
+        return read_shared(basic, Reader(inner), receipts, "test")
+
+    results = _run(WORLD, rank)
+    assert all(r == {x.key: inner.get(x.key) for x in receipts} for r in results)
+    # the default: one broadcast per rank that contributes (not per shard)
+    assert all(c.calls["broadcast_bytes"] == WORLD for c in comms)
 
 
 def test_restore_falls_back_on_every_rank_when_a_shared_shard_is_damaged():

@@ -110,6 +110,19 @@ def test_ranks_hosted_several_per_thread_make_the_same_requests_with_the_save_fi
         run_scenario(ScaleOptions(world_size=8, max_threads=4, replicated_read_once=True))
 
 
+def test_a_read_once_restore_runs_on_a_thread_per_rank_while_the_saves_share_threads() -> None:
+    """What lets the simulator run read-once beyond ``max_threads`` ranks: the restore gets its
+    own thread cap; its requests and bytes are those of a run on a thread per rank throughout."""
+    alone = scenario(64, True)
+    hosted = scenario(64, True, max_threads=16, restore_max_threads=64)
+    assert alone.restore is not None and hosted.restore is not None
+    assert hosted.saves[-1].threads == 16 and hosted.restore.threads == 64
+    assert hosted.restore.outcome == alone.restore.outcome == "restored"
+    assert hosted.restore.requests == alone.restore.requests
+    assert hosted.restore.planned_read_bytes == alone.restore.planned_read_bytes
+    assert hosted.restore.shared_bytes == alone.restore.shared_bytes == 63 * 64 * (REPLICATED // 64)
+
+
 def test_aimd_pacing_sends_fewer_slowdowns_under_a_tight_partition_limit() -> None:
     # today's restore at 64 ranks: 4,544 reads, 8 in flight per rank, against 300 reads/s
     tight = StoreProfile.s3(partition_limits=RateLimits(write_per_s=3500, read_per_s=300))

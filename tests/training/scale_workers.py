@@ -7,6 +7,7 @@ requests by kind, bytes downloaded per key, the keys it touched outside ``data/`
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -41,6 +42,49 @@ class ByteCountingStore(CountingStore):
         return counted()
 
 
+#: the torch.distributed collectives DistComm issues (a name missing from this torch is skipped)
+COLLECTIVES = ("broadcast", "all_reduce", "gather", "all_gather_single", "all_gather_into_tensor")
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[collections.Counter[str]]:
+    """Count the calls of each ``torch.distributed`` collective made inside the block (DistComm
+    looks them up on the module at each call)."""
+    dist = torch.distributed
+    counts: collections.Counter[str] = collections.Counter()
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def all_gather_bytes(rank: int, world_size: int, out: str, budget: int) -> None:
+    """DistComm.all_gather_bytes of uneven sizes (one rank empty) under ``budget``: every rank's
+    bytes and the collectives it took."""
+    from objckpt.training.dist import DistComm
+
+    sizes = [(0, 50, 7, 1)[r % 4] for r in range(world_size)]
+    comm = DistComm(timeout=60, handshake_timeout=60, exchange_budget=budget)
+    mine = bytes((rank * 31 + i) % 256 for i in range(sizes[rank]))
+    with counting_collectives() as counts:
+        got = comm.all_gather_bytes(mine, sizes, "test")
+    comm.close()
+    outcome = {"got": [b.hex() for b in got], "counts": dict(counts), "own_is_mine": got[rank] is mine}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
 def _state() -> dict[str, Any]:
     torch.manual_seed(0)  # the same replicated model on every rank
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
@@ -65,7 +109,8 @@ def save_then_restore(rank: int, world_size: int, root: str, out: str, replicate
     mgr = CheckpointManager(
         store, timeout=60, handshake_timeout=60, replicated_read=replicated_read, dedup=False, check=False
     )
-    restored = mgr.restore(fresh)
+    with counting_collectives() as collectives:
+        restored = mgr.restore(fresh)
     mgr.close()
     same = all(
         torch.equal(a, b)
@@ -78,6 +123,7 @@ def save_then_restore(rank: int, world_size: int, root: str, out: str, replicate
         "same": same,
         "shards": [{"key": s.key, "size": s.size, "name": s.name, "rank": s.rank} for s in manifest.shards],
         "counts": dict(store.counts),
+        "collectives": dict(collectives),
         "read_bytes": dict(store.read_bytes),
         "outside_data": sorted({k for _, k in store.calls if not k.startswith("data/")}),
     }

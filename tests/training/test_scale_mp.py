@@ -3,6 +3,7 @@ root on moto. Counts and bytes, never times. Slow (process start-up, a moto serv
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
@@ -19,14 +20,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 WORLD = 4
 
 
+#: each mode's world runs once per session (a world of processes costs seconds)
+_results: dict[str, list[dict]] = {}
+
+
 def _run(backend: Backend, tmp_path: Path, mode: str) -> list[dict]:
+    if mode in _results:
+        return _results[mode]
     assert backend.uri_for is not None
     root = backend.uri_for(f"scale-{mode}-{tmp_path.name}")
     out = tmp_path / mode
     out.mkdir()
     codes = run_world(scale_workers.save_then_restore, WORLD, root, str(out), mode, timeout=400)
     assert codes == [0] * WORLD, codes
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    _results[mode] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return _results[mode]
 
 
 def test_replicated_state_is_read_once_per_job_and_only_rank_0_resolves(
@@ -50,6 +58,41 @@ def test_replicated_state_is_read_once_per_job_and_only_rank_0_resolves(
     # one save's shard keys fall on more than one spreading prefix
     spreads = {s["key"].split("/")[1] for s in shards}
     assert len(spreads) > 1 and all(layout.parse_shard_key(s["key"]) for s in shards)
+
+
+def test_read_once_adds_one_all_gather_and_one_agreement_to_a_restore(
+    backend_s3_moto: Backend, tmp_path: Path
+) -> None:
+    """The collectives of a whole restore over gloo: read-once adds the agreement on the reads
+    (a gather: its length all-reduce and the gather; a broadcast: length and payload) and one
+    all-gather of the shards, however many there are (it was a length and a payload broadcast
+    per replicated shard: 2W more)."""
+    once, every = _run(backend_s3_moto, tmp_path, "once"), _run(backend_s3_moto, tmp_path, "every")
+    assert all(r["restored"] == 1 and r["same"] for r in once + every)
+    added = [
+        collections.Counter(o["collectives"]) - collections.Counter(e["collectives"])
+        for o, e in zip(once, every, strict=True)
+    ]
+    gathers = [n for name, n in once[0]["collectives"].items() if name.startswith("all_gather")]
+    assert gathers == [1]
+    assert all(sorted(a.values()) == [1, 1, 1, 2] and sum(a.values()) == 5 for a in added), added
+
+
+@pytest.mark.parametrize(("budget", "rounds"), [(1 << 20, 1), (16, 13)])
+def test_gloo_all_gather_bytes_takes_rounds_of_the_budget_and_no_length_collective(
+    tmp_path: Path, budget: int, rounds: int
+) -> None:
+    """4 ranks contributing 0, 50, 7 and 1 bytes: one all-gather under a large budget; under 16
+    bytes (4 bytes per rank and round) ceil(50 / 4) = 13 rounds; never a broadcast or a length
+    all-reduce (every rank knows the sizes)."""
+    codes = run_world(scale_workers.all_gather_bytes, WORLD, str(tmp_path), budget, timeout=200)
+    assert codes == [0] * WORLD, codes
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    expected = [bytes((r * 31 + i) % 256 for i in range((0, 50, 7, 1)[r])).hex() for r in range(WORLD)]
+    assert all(r["got"] == expected and r["own_is_mine"] for r in ranks)
+    for r in ranks:
+        assert sum(r["counts"].values()) == rounds, r["counts"]
+        assert set(r["counts"]) <= {"all_gather_single", "all_gather_into_tensor"}, r["counts"]
 
 
 def test_replicated_read_every_is_the_old_behaviour(backend_s3_moto: Backend, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ Restore (``stage``), ``replicated_read="every"`` (before the fix): a rank reads 
 **and every rank's** ``replicated.bin`` (so each rank downloads the whole replicated state);
 ``"once"``: the rank calls the library's ``coordination.exchange.read_shared`` on its
 communicator, as ``shards.stage`` does (it downloads ~1/W of the ``replicated.bin`` shards, the
-ranks broadcast them and CRC32C-check what they receive), then reads its own shards; through
+ranks exchange them in one all-gather and CRC32C-check what they receive), then reads its own shards; through
 ``Reader.read_shard`` (size and CRC32C verified), ``read_lanes`` at a time (``shards.stage``
 uses a pool of 8). Unlike that pool, which drains its queue after a failed read, a simulated
 rank stops at its first failure, and (``stop_restore_on_failure``) once any rank has failed the
@@ -67,24 +67,6 @@ class _Written:
 
     def __init__(self, writer: ShardWriter) -> None:
         self.writer = writer
-
-
-class _Announcing:
-    """The ``Reader`` given to ``read_shared``: reads through the real reader, then tells the
-    simulated world which bytes this rank will broadcast (:meth:`SimWorld.announce`)."""
-
-    def __init__(self, reader: Reader, comm: SimComm) -> None:
-        self.reader = reader
-        self.comm = comm
-
-    def read_shard(self, receipt: ShardReceipt) -> bytes:
-        data = self.reader.read_shard(receipt)
-        tl = clock.current()
-        self.comm.world.announce(self.comm.rank, receipt.key, data, tl.now if tl is not None else 0.0)
-        return data
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.reader, name)
 
 
 class _Stopped(Exception):
@@ -230,14 +212,14 @@ class Adapter:
         ``replicated_read="every"`` (before): each rank reads its own shards and every
         ``replicated.bin``. ``"once"``: as ``training.shards.stage`` does then, each rank first
         takes part in the library's :func:`~objckpt.coordination.exchange.read_shared` (it
-        downloads its assigned share of the ``replicated.bin`` shards, and every shard is
-        broadcast from its reader and CRC32C-checked by every other rank), then reads its own
+        downloads its assigned share of the ``replicated.bin`` shards, the ranks exchange them in
+        one all-gather and every other rank CRC32C-checks every shard), then reads its own
         shards."""
         once = self.switches.replicated_read == "once" and world.world_size > 1
         if once and world.group > 1:
             raise ValueError(
                 "replicated_read='once' needs one thread per rank: read_shared is a collective of "
-                f"every rank, and {world.group} ranks share each thread here (raise max_threads)"
+                f"every rank, and {world.group} ranks share each thread here (raise restore_max_threads)"
             )
 
         def one(rank: int) -> None:
@@ -273,9 +255,8 @@ class Adapter:
         with self.io.lock:
             self.io.planned_bytes[rank] = sum(r.size for r in own) + mine
             self.io.planned_reads[rank] = len(own) + sum(1 for r in replicated if owners[r.key] == rank)
-        announcing = cast(Reader, _Announcing(reader, comm))
         with shard_payloads():
-            shared = read_shared(comm, announcing, replicated, f"restore(step={manifest.step})")
+            shared = read_shared(comm, reader, replicated, f"restore(step={manifest.step})")
         received = sum(len(b) for key, b in shared.items() if owners[key] != rank)
         del shared
         done = self._read_each(reader, iter(own))

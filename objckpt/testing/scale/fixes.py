@@ -100,7 +100,8 @@ FIXES: tuple[Fix, ...] = (
         option="replicated_read_once",
         title=(
             "replicated state is read from the store once per job: each rank downloads ~1/W of "
-            "the `replicated.bin` shards and the ranks broadcast them over the process group "
+            "the `replicated.bin` shards and the ranks exchange them over the process group in one "
+            "all-gather "
             "(`coordination.exchange.read_shared`), CRC32C checked on every receiving rank"
         ),
         goal="restore reads <= 1.1x the unique bytes",

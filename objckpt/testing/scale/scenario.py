@@ -80,6 +80,10 @@ class ScaleOptions:
         saves: saves before the restore (the last one is the steady state reported).
         interval_s: virtual seconds between saves.
         max_threads: host ranks on at most this many threads (see :mod:`.world`).
+        restore_max_threads: the same for the restore alone (``None``: ``max_threads``). A
+            read-once restore needs a thread per rank (``read_shared`` is a collective of every
+            rank): beyond ``max_threads`` ranks set this to ``world_size``, and the saves still
+            share threads.
         read_lanes / write_lanes: concurrent transfers of one rank while staging / writing.
         memoize_manifest_decode: see the module doc.
         lag: scheduling slack in virtual seconds (see :mod:`.clock`); ``None``: threads run
@@ -109,6 +113,7 @@ class ScaleOptions:
     saves: int = 2
     interval_s: float = 600.0
     max_threads: int = 4096
+    restore_max_threads: int | None = None
     read_lanes: int = 8
     write_lanes: int = 1
     memoize_manifest_decode: bool = True
@@ -129,10 +134,22 @@ class ScaleOptions:
 
     @property
     def threads(self) -> int:
-        t = min(self.world_size, self.max_threads)
-        while self.world_size % t:
-            t -= 1
-        return t
+        """Threads hosting the ranks of a save (the largest divisor of ``world_size`` up to
+        ``max_threads``)."""
+        return _divisor_up_to(self.world_size, self.max_threads)
+
+    @property
+    def restore_threads(self) -> int:
+        """Threads hosting the ranks of the restore."""
+        cap = self.max_threads if self.restore_max_threads is None else self.restore_max_threads
+        return _divisor_up_to(self.world_size, cap)
+
+
+def _divisor_up_to(n: int, cap: int) -> int:
+    t = max(1, min(n, cap))
+    while n % t:
+        t -= 1
+    return t
 
 
 @dataclass
@@ -413,7 +430,9 @@ def _restore(
 ) -> tuple[PhaseResult, float]:
     store.reset()
     adapter.reset()
-    world = SimWorld(options.world_size, threads=options.threads, network=options.network, start=start)
+    world = SimWorld(
+        options.world_size, threads=options.restore_threads, network=options.network, start=start
+    )
     reader = Reader(store)
     saves_budget = store.max_requests
     if options.max_restore_requests is not None:
@@ -461,10 +480,11 @@ def run_scenario(
     line per phase (and, with ``progress_s``, the running request count that often)."""
     say = log or (lambda _msg: None)
     switches = switches_for(options)
-    if switches.replicated_read == "once" and options.threads < options.world_size:
+    if switches.replicated_read == "once" and options.restore_threads < options.world_size:
         raise ValueError(
-            "replicated_read='once' needs one thread per rank (read_shared is a collective of every "
-            f"rank; {options.world_size} ranks on {options.threads} threads here): raise max_threads"
+            "replicated_read='once' needs one thread per rank in the restore (read_shared is a "
+            f"collective of every rank; {options.world_size} ranks on {options.restore_threads} threads "
+            "here): raise max_threads or restore_max_threads"
         )
     started = time.perf_counter()
     store = SimulatedStore(
@@ -569,4 +589,5 @@ def _timed(fn: Any) -> float:
 def _options_dict(options: ScaleOptions) -> dict[str, Any]:
     d = asdict(options)
     d["threads"] = options.threads
+    d["restore_threads"] = options.restore_threads
     return d

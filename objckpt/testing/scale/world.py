@@ -7,9 +7,13 @@ production collectives), and each value is wrapped with the sender's virtual tim
 rank leaves a collective at the time its last participant arrived plus the modelled cost
 (:meth:`NetworkModel.collective_s`). ``broadcast_bytes`` (from rank 0 or, ``src=``, any rank)
 uses a byte path, as the gloo transport does: the source's thread publishes the bytes and the
-others wait for that one thread only, not on the thread world's barrier (a restore that reads
-replicated state once makes one broadcast per replicated shard, W of them, and a 4,096-thread
-barrier costs ~1 s here); every rank receives the very same ``bytes`` object.
+others wait for that one thread only, not on the thread world's barrier (a 4,096-thread barrier
+costs ~1 s here); every rank receives the very same ``bytes`` object. ``all_gather_bytes`` (the
+exchange of a restore that reads replicated state once) is one rendezvous of every thread, not
+on the barrier either: each publishes its bytes and its arrival, the last to arrive releases the
+others, and every rank gets the very same list; each leaves at the last arrival plus the cost of
+the gloo transport's rounds (:func:`~objckpt.coordination.comm.exchange_rounds` of the modelled
+sizes under ``defaults.EXCHANGE_BUDGET``: ``collective_s`` of ``W x width`` bytes per round).
 
 **Hosting several ranks per thread** (``threads < world_size``). A ``ThreadWorld`` barrier wakes
 every thread, and on this 2-core machine that costs ~0.2 ms per thread per barrier, growing faster
@@ -32,11 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from ...coordination.comm import Comm, ThreadComm, ThreadWorld
+from ...coordination.comm import Comm, ThreadComm, ThreadWorld, exchange_rounds
+from ...defaults import EXCHANGE_BUDGET
 from ...errors import DistributedError
 from . import clock
 from .model import NetworkModel
@@ -49,7 +55,7 @@ _payloads = threading.local()
 
 @contextlib.contextmanager
 def shard_payloads() -> Iterator[None]:
-    """Byte broadcasts of the calling thread inside the block carry shard bytes, which stand for
+    """Byte collectives of the calling thread inside the block carry shard bytes, which stand for
     ``byte_scale`` times as many (a manifest's bytes are its real size)."""
     previous = getattr(_payloads, "on", False)
     _payloads.on = True
@@ -92,7 +98,7 @@ class SimWorld:
         self.timelines = [clock.Timeline(start, rank, rank // per_host) for rank in range(world_size)]
         self._pending: dict[int, Any] = {}
         self._slots: dict[int, _Slot] = {}
-        self._announced: dict[tuple[int, str], _Slot] = {}
+        self._gathers: dict[int, _Gathered] = {}
         self._broken: str | None = None
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -189,30 +195,14 @@ class SimWorld:
         with self._lock:
             if self._broken is None:
                 self._broken = why
-            slots = list(self._slots.values())
+            slots: list[_Slot | _Gathered] = [*self._slots.values(), *self._gathers.values()]
         for slot in slots:
             slot.ready.set()
 
-    def announce(self, rank: int, key: str, data: bytes, t: float) -> None:
-        """``rank`` holds ``key``'s verified bytes since virtual time ``t`` (it read them to
-        broadcast them later, :func:`~objckpt.coordination.exchange.read_shared`)."""
-        slot = _Slot()
-        slot.data, slot.t, slot.sent = data, t, True
-        with self._lock:
-            self._announced[(rank, key)] = slot
-
-    def _share(
-        self, seq: int, src: int, rank: int, data: bytes | None, t: float, what: str, key: str | None
-    ) -> _Slot:
-        """The ``seq``-th byte broadcast of every thread: ``src``'s thread publishes, the others
-        wait for it (not for each other: a broadcast needs only its source). A receiver that
-        arrives before the source but knows the bytes' ``key`` takes what the source announced
-        (:meth:`announce`) instead of waiting: the same bytes, without the ranks handing the
-        baton back and forth once per broadcast (W^2 hand-overs for W ranks' W broadcasts)."""
-        if key is not None and rank != src:
-            early = self._announced.get((src, key))  # a dict read: atomic under the GIL
-            if early is not None:
-                return early
+    def _share(self, seq: int, src: int, rank: int, data: bytes | None, t: float, what: str) -> _Slot:
+        """The ``seq``-th byte collective of every thread, a broadcast: ``src``'s thread
+        publishes, the others wait for it (not for each other: a broadcast needs only its
+        source)."""
         with self._lock:
             slot = self._slots.get(seq)
             if slot is None:
@@ -234,6 +224,31 @@ class SimWorld:
                 del self._slots[seq]  # every thread has it: free the bytes
         if not slot.sent:
             raise DistributedError(f"{what}: rank {src} never sent ({self._broken})")
+        return slot
+
+    def _all_gather(self, seq: int, rank: int, data: bytes, t: float, what: str) -> _Gathered:
+        """The ``seq``-th byte collective of every thread, an all-gather: each publishes its
+        bytes and arrival time; the last to arrive releases the others (one wake-up each, no
+        barrier round); every thread gets the same :class:`_Gathered`."""
+        with self._lock:
+            slot = self._gathers.get(seq)
+            if slot is None:
+                slot = self._gathers[seq] = _Gathered(self.threads)
+            slot.data[rank // self.group] = data
+            slot.t = max(slot.t, t)
+            slot.arrived += 1
+            if slot.arrived == self.threads or self._broken is not None:
+                slot.ready.set()
+        if not slot.ready.is_set():
+            with clock.blocked():
+                if not slot.ready.wait(self._timeout):
+                    raise DistributedError(f"{what}: not every rank took part within {self._timeout:g}s")
+        with self._lock:
+            slot.left += 1
+            if slot.left == self.threads:
+                del self._gathers[seq]  # every thread has it: the world no longer holds the bytes
+        if slot.arrived < self.threads:
+            raise DistributedError(f"{what}: a rank never took part ({self._broken})")
         return slot
 
 
@@ -278,6 +293,19 @@ class _Slot:
         self.t = 0.0
         self.left = 0
         self.sent = False
+        self.ready = threading.Event()
+
+
+class _Gathered:
+    """One all-gather of bytes in flight (see :meth:`SimWorld._all_gather`)."""
+
+    __slots__ = ("arrived", "data", "left", "ready", "t")
+
+    def __init__(self, threads: int) -> None:
+        self.data: list[bytes] = [b""] * threads
+        self.t = -math.inf
+        self.arrived = 0
+        self.left = 0
         self.ready = threading.Event()
 
 
@@ -347,15 +375,33 @@ class SimComm(Comm):
         seq = self._seq
         self._seq += 1
         shards = getattr(_payloads, "on", False)
-        # read_shared names each broadcast "<what>: <key>"
-        key = what.rsplit(": ", 1)[-1] if shards and ": " in what else None
-        slot = self.world._share(seq, src, self.rank, data, self._arrived(), what, key)
+        slot = self.world._share(seq, src, self.rank, data, self._arrived(), what)
         if slot.data is None:
             raise DistributedError(f"{what}: rank {src} sent no bytes")
         net = self.world.network
         n = len(slot.data) * (net.byte_scale if shards else 1)
         # a receiver takes part from its own arrival: W broadcasts in a row cost W x the cost
         t = max(slot.t, self._arrived()) + net.collective_s(self.world_size, round(n))
+        for tl in self._hosted:
+            tl.advance_to(t)
+        return slot.data
+
+    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+        """Every rank's bytes, the very same list on every rank (see :meth:`SimWorld._all_gather`);
+        each rank leaves at the last arrival plus the modelled cost of the gloo transport's
+        rounds over the modelled (``byte_scale``d, for shard payloads) sizes."""
+        if self.world.group > 1:
+            raise DistributedError(
+                f"{what}: ranks share threads here ({self.world.group} per thread), and hosted ranks "
+                "take no part in collectives of their own (run with one thread per rank)"
+            )
+        seq = self._seq
+        self._seq += 1
+        slot = self.world._all_gather(seq, self.rank, mine, self._arrived(), what)
+        net = self.world.network
+        scale = net.byte_scale if getattr(_payloads, "on", False) else 1
+        rounds = exchange_rounds([round(n * scale) for n in sizes], EXCHANGE_BUDGET)
+        t = slot.t + sum(net.collective_s(self.world_size, self.world_size * width) for _, width in rounds)
         for tl in self._hosted:
             tl.advance_to(t)
         return slot.data
