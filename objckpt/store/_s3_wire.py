@@ -10,14 +10,11 @@ completion whose answer was lost). No SDK is imported here.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import io
-import itertools
 import re
-from typing import Any
 
-from ._util import ViewReader
+from ._util import BuffersReader, ViewReader
 from .base import MiB
 
 _MULTIPART_ETAG = re.compile(r"-\d+\"?$")
@@ -39,55 +36,7 @@ def _body_of(buffers: list[memoryview], size: int) -> bytes | io.RawIOBase:
         return _body(buffers[0])
     if size <= _SMALL_BODY:
         return b"".join(buffers)
-    return _BuffersReader(buffers)
-
-
-class _BuffersReader(io.RawIOBase):
-    """A seekable, read-only file over consecutive memoryviews: a part that spans several
-    tensors is sent without assembling it (botocore reads and seeks bodies, never sizes them
-    by other means than ``ContentLength``)."""
-
-    def __init__(self, buffers: list[memoryview]) -> None:
-        super().__init__()
-        self._buffers = [b for b in buffers if b.nbytes]
-        self._starts = list(itertools.accumulate((b.nbytes for b in self._buffers), initial=0))
-        self._size = self._starts[-1]
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        filled = 0
-        while filled < out.nbytes and self._pos < self._size:
-            i = bisect.bisect_right(self._starts, self._pos) - 1
-            src = self._buffers[i][self._pos - self._starts[i] :]
-            n = min(src.nbytes, out.nbytes - filled)
-            out[filled : filled + n] = src[:n]
-            filled += n
-            self._pos += n
-        return filled
-
-    def read(self, size: int | None = -1) -> bytes:
-        want = self._size - self._pos if size is None or size < 0 else size
-        buf = bytearray(max(0, min(want, self._size - self._pos)))
-        n = self.readinto(buf)
-        return bytes(buf[:n])
+    return BuffersReader(buffers)
 
 
 def _quoted(etag: str | None) -> str:
