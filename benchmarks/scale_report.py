@@ -519,7 +519,7 @@ def findings(runs: dict[str, dict[int, Result]], n: int = 4096) -> list[str]:
             if spread_save
             else ""
         )
-        + f'With `verify="ranks"` each rank LISTs its own prefix and the coordinator none: {_verification(a)}, '
+        + f'With `verify="ranks"` ranks 0..min(W, 256)-1 each LIST one spread attempt prefix (the whole attempt, strays included) and the coordinator none: {_verification(a)}, '
         f"commit CPU {_s(a['commit_thread_cpu_s'])}.",
         f"5. **Resolution** is O(1) and on rank 0 only before and after: "
         f"{_n(sum(bp['requests_by_phase'].get('resolve', {}).values()))} requests, "

@@ -96,6 +96,7 @@ class Coordinator:
         after: tuple[int, int] | None = None,
         references: Mapping[int, Sequence[Reference]] | None = None,
         listings: Mapping[int, Sequence[ObjectMeta]] | None = None,
+        spread: bool = True,
     ) -> Manifest:
         """Commit ``attempt`` of ``step`` on ``timeline`` from every rank's receipts; return its
         manifest.
@@ -110,12 +111,14 @@ class Coordinator:
         the size, version and CRC32C recorded there, and present in the store as such; anything
         else fails the commit naming the rank (invariant 5).
 
-        ``listings``: per rank, its own LIST of its rank prefix (``verify="ranks"``), checked
-        against its receipts instead of the coordinator listing the attempt itself.
+        ``listings``: per lister rank, its LIST of its slice of the attempt
+        (:func:`~objckpt.layout.verification_slices`, ``spread``: in which layout;
+        ``verify="ranks"``), checked instead of the coordinator listing the attempt itself: the
+        slices cover the same keys, strays included, with the LISTs spread over the ranks.
 
         Steps: (1) every rank ``0..world_size-1`` reported receipts, each under its own rank's
         prefix of this attempt (spread or not); (2) one LIST of each attempt prefix used (per
-        1,000 shards; or the ranks' own listings) shows every expected key with the receipt's
+        1,000 shards; or the ranks' listings of its slices) shows every expected key with the receipt's
         size and version, and no other key; (3) the parent is the
         currently committed latest; (4) the manifest is written create-if-absent: the commit
         point; (5) ``LATEST`` is advanced forward-only by compare-and-swap.
@@ -134,7 +137,7 @@ class Coordinator:
         layout.check_attempt_id(attempt)
         layout.check_timeline(timeline)
         expected = self._check_reports(step, attempt, receipts)
-        self._check_store(step, attempt, expected, listings)
+        self._check_store(step, attempt, expected, listings, spread)
         parent = self._parent_of(timeline, step, after)
         reused = self._check_references(step, attempt, parent, references or {})
         manifest = Manifest.create(
@@ -215,51 +218,63 @@ class Coordinator:
         attempt: str,
         expected: Mapping[str, ShardReceipt],
         listings: Mapping[int, Sequence[ObjectMeta]] | None = None,
+        spread: bool = True,
     ) -> None:
         """Every receipt against a listing of the store: present, same size, version and CRC32C,
         and nothing else under the prefixes listed.
 
         ``listings`` None: the coordinator LISTs itself every attempt prefix the receipts use
         (one per spread prefix used, in parallel; one LIST per 1,000 shards under each).
-        Otherwise each rank's own LIST of its rank prefix (``verify="ranks"``), checked against
-        that rank's receipts: the coordinator makes no request.
+        Otherwise the ranks' LISTs of their :func:`~objckpt.layout.verification_slices`
+        (``verify="ranks"``; ``spread``: the layout the slices follow), which together cover
+        every attempt prefix the ranks write to, strays under no rank's prefix included: each
+        slice must come from its lister and hold only keys of that slice. The coordinator LISTs
+        only prefixes some receipt uses that no slice covers (a rank that wrote the other
+        layout): none, normally.
         """
         failures: dict[int, list[str]] = {}
 
         def fail(rank: int, why: str) -> None:
             failures.setdefault(rank, []).append(why)
 
-        listed: list[tuple[ObjectMeta, int | None]] = []  # (what the store holds, who listed it)
+        used = sorted({p for k in expected if (p := layout.attempt_prefix_of(k)) is not None})
+        listed: list[ObjectMeta] = []  # what the store holds under the attempt's prefixes
         if listings is None:
-            prefixes = sorted({p for k in expected if (p := layout.attempt_prefix_of(k)) is not None})
-            if not prefixes:  # no receipts at all: the attempt prefix must be empty too
-                prefixes = [layout.attempt_prefix(step, attempt)]
-            if len(prefixes) == 1:  # the layout without spreading: the one LIST, on this thread
-                pages = [list(self.store.list(prefixes[0]))]
-            else:
-                with ThreadPoolExecutor(
-                    min(_LIST_THREADS, len(prefixes)), thread_name_prefix="objckpt-verify"
-                ) as pool:
-                    pages = list(pool.map(lambda p: list(self.store.list(p)), prefixes))
-            listed = [(meta, None) for page in pages for meta in page]
+            to_list = used or [layout.attempt_prefix(step, attempt)]  # no receipts: must be empty too
         else:
-            for rank in range(self.world_size):
-                if rank not in listings:
-                    fail(rank, "sent no listing of its prefix (verify='ranks')")
-                listed.extend((meta, rank) for meta in listings.get(rank, ()))
+            slices = layout.verification_slices(step, attempt, self.world_size, spread=spread)
+            listers = {s.lister for s in slices}
+            for s in slices:
+                if s.lister not in listings:
+                    fail(s.lister, f"sent no listing of its verification slice {s.prefix!r} (verify='ranks')")
+                    continue
+                for meta in listings[s.lister]:
+                    if s.holds(meta.key):
+                        listed.append(meta)
+                    else:
+                        fail(s.lister, f"listed {meta.key!r}, outside its verification slice {s.prefix!r}")
+            for rank in sorted(set(listings) - listers):
+                fail(rank, "sent a listing but verifies no slice (verify='ranks')")
+            covered = {s.prefix for s in slices}  # each prefix's slices cover all of it
+            to_list = [p for p in used if p not in covered]
+        if len(to_list) == 1:  # the layout without spreading: the one LIST, on this thread
+            listed.extend(self.store.list(to_list[0]))
+        elif to_list:
+            with ThreadPoolExecutor(
+                min(_LIST_THREADS, len(to_list)), thread_name_prefix="objckpt-verify"
+            ) as pool:
+                for page in pool.map(lambda p: list(self.store.list(p)), to_list):
+                    listed.extend(page)
         seen: set[str] = set()
-        for meta, lister in listed:
+        for meta in listed:
             r = expected.get(meta.key)
-            parsed = layout.parse_shard_key(meta.key)
-            owner = parsed[2] if parsed is not None and parsed[:2] == (step, attempt) else NO_RANK
-            if r is None or (lister is not None and r.rank != lister):
+            if r is None:
                 # A zombie writer (e.g. a rank of an earlier incarnation still uploading) or a
                 # stray object: committing would publish an attempt whose prefix holds data no
-                # receipt vouches for (or a rank listed what is not under its own prefix).
-                fail(
-                    owner if lister is None else lister,
-                    f"unexpected object {meta.key!r} in the attempt prefix",
-                )
+                # receipt vouches for.
+                parsed = layout.parse_shard_key(meta.key)
+                owner = parsed[2] if parsed is not None and parsed[:2] == (step, attempt) else NO_RANK
+                fail(owner, f"unexpected object {meta.key!r} in the attempt prefix")
                 continue
             seen.add(meta.key)
             if meta.size != r.size:

@@ -16,6 +16,10 @@ HANDSHAKE_TIMEOUT = 300.0
 #: bytes of the padded buffer one round of ``Comm.all_gather_bytes`` may hold on a rank (over
 #: gloo: world_size x the round's widest contribution); larger exchanges take several rounds
 EXCHANGE_BUDGET = 256 * 1024 * 1024
+#: ``verify="auto"`` (the default) spreads a commit's verification LISTs over the ranks above
+#: this world size; up to it the coordinator LISTs the attempt itself (one spread prefix a rank,
+#: all at once: one round trip, no extra collective)
+VERIFY_SPREAD_ABOVE = 16
 #: committed checkpoints kept by CheckpointManager's retention
 KEEP_LAST = 3
 #: unreferenced attempt data and incomplete uploads younger than this are never collected;
@@ -33,4 +37,5 @@ __all__ = [
     "KEEP_ABANDONED",
     "KEEP_LAST",
     "TIMEOUT",
+    "VERIFY_SPREAD_ABOVE",
 ]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from dataclasses import dataclass
 
 from .errors import ManifestError
 
@@ -250,6 +251,60 @@ def attempt_prefix_of(key: str) -> str | None:
         else None
     )
     return attempt_prefix(parsed[0], parsed[1], spread)
+
+
+#: ``verification_slices`` without spreading: this many consecutive ranks' keys per LIST slice
+#: (8 shards a rank: ~500 keys, one LIST page)
+RANKS_PER_SLICE = 64
+
+
+@dataclass(frozen=True)
+class ListingSlice:
+    """One part of an attempt's keys that one rank LISTs to verify a commit (``verify="ranks"``):
+    the keys under ``prefix`` greater than ``after`` and at most ``upto`` (``None``: unbounded).
+
+    The slices of :func:`verification_slices` are disjoint and together cover every key under
+    the attempt's prefixes, including keys under no rank's own prefix (a stray)."""
+
+    lister: int
+    prefix: str
+    after: str | None = None
+    upto: str | None = None
+
+    def holds(self, key: str) -> bool:
+        """Is ``key`` one of this slice's keys?"""
+        return (
+            key.startswith(self.prefix)
+            and (self.after is None or key > self.after)
+            and (self.upto is None or key <= self.upto)
+        )
+
+
+def verification_slices(step: int, attempt: str, world_size: int, *, spread: bool) -> list[ListingSlice]:
+    """Who LISTs what to verify a commit of ``attempt`` (``verify="ranks"``), the same on every rank.
+
+    ``spread``: rank ``r < min(W, 256)`` LISTs the whole spread attempt prefix of
+    :func:`spread_of` ``(r)``, which holds every rank sharing it (``r``, ``r + 256``, ...): the
+    ``min(W, 256)`` prefixes the ranks write to, one LIST each (one page up to 1,000 keys), none
+    on the coordinator. Without spreading, the one attempt prefix is cut into ranges of
+    :data:`RANKS_PER_SLICE` ranks (``start_after`` a rank prefix, up to the next slice's), the first
+    from the prefix's start and the last to its end. Every slice must be listed *after every
+    rank's writes*: it holds other ranks' keys.
+
+    Raises:
+        ValueError: invalid step, attempt id or world size.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if spread:
+        return [
+            ListingSlice(r, attempt_prefix(step, attempt, spread_of(r)))
+            for r in range(min(world_size, 16**SPREAD_DIGITS))
+        ]
+    prefix = attempt_prefix(step, attempt)
+    starts = list(range(0, world_size, RANKS_PER_SLICE))
+    bounds: list[str | None] = [None, *(f"{prefix}{r:05d}/" for r in starts[1:]), None]
+    return [ListingSlice(i, prefix, after=bounds[i], upto=bounds[i + 1]) for i in range(len(starts))]
 
 
 def _has_dot_segment(slashed: str) -> bool:

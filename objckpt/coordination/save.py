@@ -14,8 +14,10 @@ on every rank:
    raises the same error.
 2. The adapter writes this rank's shards through ``ticket.writer`` (create-if-absent, under the
    attempt's own prefix). A failure is recorded on the ticket, not raised: rank 0 must hear it.
-3. :meth:`SaveSession.finish` -- every rank's receipts (or its error) are gathered to rank 0,
-   which checks them against the store and writes the manifest create-if-absent (THE commit
+3. :meth:`SaveSession.finish` -- every rank's receipts (or its error) are gathered to rank 0
+   (with ``verify="ranks"`` a broadcast and a second gather follow: once every rank has written,
+   up to 256 ranks LIST their slices of the attempt for rank 0's check), which checks them
+   against the store and writes the manifest create-if-absent (THE commit
    point, :class:`~objckpt.commit.Coordinator`); the outcome is broadcast, so every rank returns
    the same :class:`~objckpt.manifest.Manifest` or raises the same :class:`CommitError` naming
    every failing rank. Then rank 0 applies retention, which never raises.
@@ -35,6 +37,7 @@ from typing import Any
 
 from .. import layout
 from ..commit import Coordinator
+from ..defaults import VERIFY_SPREAD_ABOVE
 from ..errors import (
     CommitError,
     DistributedError,
@@ -58,8 +61,8 @@ __all__ = ["SaveSession", "SaveTicket"]
 log = logging.getLogger("objckpt.save")
 
 #: ``SaveSession(verify=)``: who lists the store to check the receipts before a commit
-VERIFY_COORDINATOR, VERIFY_RANKS = "coordinator", "ranks"
-VERIFY_MODES = (VERIFY_COORDINATOR, VERIFY_RANKS)
+VERIFY_AUTO, VERIFY_COORDINATOR, VERIFY_RANKS = "auto", "coordinator", "ranks"
+VERIFY_MODES = (VERIFY_AUTO, VERIFY_COORDINATOR, VERIFY_RANKS)
 
 #: how a rank that disagrees with rank 0 on an ``agree_on`` value is reported
 Disagreement = Callable[[str, int, Any, Any], Exception]
@@ -109,7 +112,7 @@ class SaveTicket:
 
 
 def _listed(d: Any) -> ObjectMeta:
-    """One entry of a rank's listing of its prefix (``verify="ranks"``)."""
+    """One entry of a rank's listing of its verification slice (``verify="ranks"``)."""
     crc = d["crc32c"]
     if not isinstance(d["key"], str) or not isinstance(d["version"], str) or not isinstance(d["size"], int):
         raise TypeError(f"malformed entry {d!r}")
@@ -144,10 +147,14 @@ class SaveSession:
         label: how the adapter names a save in messages (``save``, ``DCP save``, ...).
         key_spreading: shard keys under spreading prefixes (``layout.spread_of``; default);
             ``False``: ``data/<step>-<attempt>/<rank>/`` as before (docs/DESIGN.md, "Scale").
-        verify: ``"coordinator"`` (default): rank 0 LISTs every attempt prefix the receipts use
-            and checks each receipt; ``"ranks"``: each rank LISTs its own rank prefix after its
-            writes and sends the listing with its receipts, rank 0 checks them against each
-            other (W LISTs spread over W ranks, none on rank 0).
+        verify: ``"coordinator"``: rank 0 LISTs every attempt prefix the receipts use and
+            checks each receipt; ``"ranks"``: once every rank has written, ranks
+            ``0..min(W, 256)-1`` each LIST one slice of the attempt
+            (:func:`~objckpt.layout.verification_slices`: with spreading, one spread prefix
+            each) and rank 0 checks the receipts against them: the same coverage, strays
+            included, with no LIST on rank 0 beyond its own slice (one more broadcast and
+            gather); ``"auto"`` (default): ``"ranks"`` above
+            :data:`~objckpt.defaults.VERIFY_SPREAD_ABOVE` ranks, else ``"coordinator"``.
     """
 
     def __init__(
@@ -161,7 +168,7 @@ class SaveSession:
         identity: Mapping[str, Any] | None = None,
         label: str = "save",
         key_spreading: bool = True,
-        verify: str = VERIFY_COORDINATOR,
+        verify: str = VERIFY_AUTO,
     ) -> None:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -336,13 +343,11 @@ class SaveSession:
             mine["receipts"] = [r.to_dict() for r in ticket.receipts]
             if ticket.references:
                 mine["references"] = [r.to_dict() for r in ticket.references]
-            if self.verify == VERIFY_RANKS:
-                try:
-                    mine["listing"] = self._list_own(ticket)
-                except Exception as exc:  # noqa: BLE001 - reported: rank 0 fails the commit naming us
-                    mine = {"error": f"could not list its own prefix to verify its writes: {exc}"}
         what = f"{self.label}(step={step})"
         reports = comm.gather(mine, f"{what} receipts")
+        by_ranks = self.verifies_by_ranks(comm.world_size)
+        if by_ranks:
+            reports = self._gather_listings(comm, step, attempt, reports, what)
         outcome: dict[str, Any] = {}
         body = b""
         if comm.rank == 0:
@@ -358,6 +363,7 @@ class SaveSession:
                     run=run,
                     topology=topology,
                     metadata=metadata,
+                    listed=by_ranks,
                 )
                 body = manifest.encode()
                 # its timeline tells every rank the key to decode the body against, so no rank
@@ -389,15 +395,61 @@ class SaveSession:
             self.retain(manifest)
         return manifest
 
-    def _list_own(self, ticket: SaveTicket) -> list[dict[str, Any]]:
-        """``verify="ranks"``: this rank's LIST of its own rank prefix, after its writes."""
-        prefix = ticket.writer.prefix if ticket.writer is not None else ""
-        if not prefix:
-            return []
-        return [
-            {"key": m.key, "size": m.size, "version": m.version, "crc32c": m.crc32c}
-            for m in self.store.list(prefix)
-        ]
+    def verifies_by_ranks(self, world_size: int) -> bool:
+        """Do the ranks LIST the attempt's slices for the commit (``verify``, resolved for
+        ``world_size``: ``"auto"`` is ``"ranks"`` above ``VERIFY_SPREAD_ABOVE`` ranks)?"""
+        if self.verify == VERIFY_AUTO:
+            return world_size > VERIFY_SPREAD_ABOVE
+        return self.verify == VERIFY_RANKS
+
+    def _gather_listings(
+        self, comm: Comm, step: int, attempt: str, reports: list[Any] | None, what: str
+    ) -> list[Any] | None:
+        """``verify="ranks"``, after the receipts gather (so after every rank's writes, which a
+        slice holding other ranks' keys must see): each lister LISTs its slice and rank 0 adds
+        the listing, or the failure to list, to that rank's report. Nobody lists when a rank
+        already failed or abandoned the save: nothing will be committed."""
+        go = None
+        if comm.rank == 0:
+            assert reports is not None
+            go = all(isinstance(r, dict) and not r.get("error") and not r.get("abandoned") for r in reports)
+        if not comm.broadcast(go, f"{what} verification"):
+            return reports
+        listings = comm.gather(self._listing_report(comm, step, attempt), f"{what} listings")
+        if comm.rank != 0:
+            return reports
+        assert reports is not None and listings is not None
+        merged: list[Any] = []
+        for report, listing in zip(reports, listings, strict=True):
+            if isinstance(listing, dict) and listing.get("error"):
+                report = {**report, "error": listing["error"]}
+            elif isinstance(listing, dict) and "listing" in listing:
+                report = {**report, "listing": listing["listing"]}
+            merged.append(report)
+        return merged
+
+    def _listing_report(self, comm: Comm, step: int, attempt: str) -> dict[str, Any]:
+        """This rank's contribution to the listings gather (the simulator's hosted ranks
+        override it to list for every rank a thread hosts)."""
+        return self.list_slice(step, attempt, comm.rank, comm.world_size)
+
+    def list_slice(self, step: int, attempt: str, rank: int, world_size: int) -> dict[str, Any]:
+        """``rank``'s LIST of its verification slice (``{"listing": [...]}``), ``{}`` if it
+        lists none, or ``{"error": ...}``: rank 0 then fails the commit naming ``rank``."""
+        for s in layout.verification_slices(step, attempt, world_size, spread=self.key_spreading):
+            if s.lister == rank:
+                break
+        else:
+            return {}
+        try:
+            listing = []
+            for m in self.store.list(s.prefix, start_after=s.after):
+                if s.upto is not None and m.key > s.upto:
+                    break  # past the slice: the next lister's
+                listing.append({"key": m.key, "size": m.size, "version": m.version, "crc32c": m.crc32c})
+        except Exception as exc:  # noqa: BLE001 - reported: rank 0 fails the commit naming this rank
+            return {"error": f"could not list its verification slice {s.prefix!r}: {exc}"}
+        return {"listing": listing}
 
     def save(
         self,
@@ -427,10 +479,15 @@ class SaveSession:
         run: Mapping[str, Any] | None = None,
         topology: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        listed: bool = False,
     ) -> Manifest:
         """Rank 0's half of :meth:`finish`, for adapters whose framework gathers the reports
         itself (DCP): commit ``attempt`` from every rank's report (``{"receipts": [...]}``,
         ``{"error": "..."}`` or ``{"abandoned": True}``, in rank order).
+
+        ``listed``: the reports carry the ranks' listings of their verification slices
+        (:meth:`finish` with ``verify="ranks"``), checked instead of the coordinator's own
+        LISTs; otherwise (a framework gathered the reports) the coordinator LISTs.
 
         Raises:
             CommitError: naming every failing rank (any other failure of the coordinator becomes
@@ -446,7 +503,7 @@ class SaveSession:
             )
         receipts: dict[int, Any] = {}
         references: dict[int, list[Reference]] = {}
-        listings: dict[int, list[ObjectMeta]] | None = {} if self.verify == VERIFY_RANKS else None
+        listings: dict[int, list[ObjectMeta]] | None = {} if listed else None
         for rank, rep in enumerate(reports):
             if rep.get("error"):
                 receipts[rank] = str(rep["error"])
@@ -483,6 +540,7 @@ class SaveSession:
                 after=after,
                 references=references,
                 listings=listings,
+                spread=self.key_spreading,
             )
             lineage.record(self.store, lineage.Position(manifest, manifest.timeline))
             return manifest

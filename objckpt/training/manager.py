@@ -132,9 +132,10 @@ class CheckpointManager:
             rank); ``"every"``: every rank downloads all of it (docs/DESIGN.md, "Scale").
         key_spreading: shard keys carry a spreading prefix (``data/<hh>/...``) so one save's
             requests fall on many key partitions (default); ``False``: the old layout.
-        verify: who checks the receipts against the store before a commit: ``"coordinator"``
-            (default: rank 0 LISTs every attempt prefix used) or ``"ranks"`` (each rank LISTs
-            its own prefix and rank 0 checks those listings against the receipts).
+        verify: who LISTs the store to check the receipts before a commit: ``"coordinator"``
+            (rank 0 LISTs every attempt prefix used), ``"ranks"`` (after every rank's writes,
+            up to 256 ranks each LIST one slice of the attempt and rank 0 checks the receipts
+            against them: the same coverage) or ``"auto"`` (default: ``"ranks"`` above 16 ranks).
         **store_options: options for :func:`objckpt.store.open_store` when a URI is given
             (``endpoint_url=``, ``path_style=``, ``part_size=``, ...).
 
@@ -168,7 +169,7 @@ class CheckpointManager:
         compression: str | None = None,
         replicated_read: str = shards.READ_ONCE,
         key_spreading: bool = True,
-        verify: str = "coordinator",
+        verify: str = "auto",
         **store_options: Any,
     ) -> None:
         validate_options(async_policy, on_save_error, check, keep_last, every)

@@ -187,3 +187,32 @@ def test_receipt_matches_what_the_store_holds():
     assert r.sha256 == hashlib.sha256(data).hexdigest()
     assert w.receipts == [r]
     assert ShardWriter(store, step=STEP, attempt=ATTEMPT, rank=2).write("m", b"").sha256 is None
+
+
+@pytest.mark.parametrize(
+    "world,spread", [(1, True), (8, True), (300, True), (1, False), (64, False), (150, False)]
+)
+def test_verification_slices_hold_every_key_of_the_attempt_exactly_once(world: int, spread: bool):
+    """The ranks' verification LISTs (invariant 5, ``verify="ranks"``) cover every key of the
+    attempt's prefixes -- rank shards, a marker object equal to a rank prefix, strays sorting
+    before and after every rank prefix -- each in exactly one slice."""
+    attempt = layout.new_attempt_id()
+    slices = layout.verification_slices(3, attempt, world, spread=spread)
+    assert [s.lister for s in slices] == list(range(len(slices)))
+    keys = [layout.shard_key(3, attempt, r, "shard.bin", spread=spread) for r in range(world)]
+    keys += [layout.rank_prefix(3, attempt, r, spread=spread) for r in range(world)]  # markers
+    for prefix in {s.prefix for s in slices}:
+        keys += [prefix + "!early", prefix + "00000", prefix + "zzz/late"]
+    for key in keys:
+        assert sum(s.holds(key) for s in slices) == 1, key
+    other = layout.new_attempt_id()
+    assert not any(s.holds(layout.shard_key(3, other, 0, "x", spread=spread)) for s in slices)
+    if spread:
+        assert len(slices) == min(world, 256)
+    else:
+        assert len(slices) == -(-world // layout.RANKS_PER_SLICE)
+
+
+def test_verification_slices_refuse_a_bad_world_size():
+    with pytest.raises(ValueError, match="world_size"):
+        layout.verification_slices(3, layout.new_attempt_id(), 0, spread=True)

@@ -88,7 +88,7 @@ def test_verification_spread_over_ranks_lists_nothing_on_the_coordinator(world_s
     before, after = scenario(world_size, False).saves[-1], scenario(world_size, True).saves[-1]
     assert before.data_lists["commit"] == 1  # the coordinator's LIST of the attempt
     assert after.data_lists.get("commit", 0) == 0
-    # one LIST of its own prefix per rank, after its writes (rank 0's included)
+    # one LIST of its spread attempt prefix per rank (W <= 256), rank 0's included
     assert after.data_lists["save"] == world_size
     commit = before.requests_by_phase["commit"]["list_page"]
     assert after.requests_by_phase["commit"]["list_page"] == commit - 1

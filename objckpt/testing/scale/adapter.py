@@ -28,7 +28,7 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from ...coordination.exchange import assign, read_shared
 from ...manifest import Manifest, ShardReceipt
@@ -60,13 +60,6 @@ class RankIO:
     written_bytes: dict[int, int] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class _Written:
-    """What ``SaveSession._list_own`` reads of a ticket (its writer), for a hosted rank."""
-
-    def __init__(self, writer: ShardWriter) -> None:
-        self.writer = writer
 
 
 class _Stopped(Exception):
@@ -125,9 +118,6 @@ class Adapter:
             try:
                 self._write_rank(writer, ticket.step, rank)
                 report: dict[str, Any] = {"receipts": [r.to_dict() for r in writer.receipts]}
-                if self.switches.verify == "ranks":
-                    # what SaveSession.finish adds for its own rank, for this hosted one
-                    report["listing"] = session._list_own(cast("SaveTicket", _Written(writer)))
             except Exception as exc:  # noqa: BLE001 - becomes this rank's report
                 report = {"error": f"{type(exc).__name__}: {exc}"}
             world.report(rank, report)

@@ -111,9 +111,10 @@ FIXES: tuple[Fix, ...] = (
     Fix(
         option="verify_ranks",
         title=(
-            "commit verification spread over ranks: each rank LISTs its own prefix after its "
-            "writes and sends the listing with its receipts; the coordinator checks them and LISTs "
-            "nothing itself"
+            "commit verification spread over ranks: once every rank has written, ranks "
+            "0..min(W, 256)-1 each LIST one spread attempt prefix (`layout.verification_slices`: "
+            "every key of the attempt, strays included) and send it to the coordinator, which "
+            "checks every receipt against them and LISTs nothing itself"
         ),
         goal="commit verification <= 1 LIST per 1,000 shards, or the equivalent spread over ranks",
         switch='SaveSession(verify="ranks")',

@@ -231,6 +231,24 @@ class _InstrumentedSaveSession(SaveSession):
     (nothing else differs)."""
 
     probe: _Probe
+    world: SimWorld
+
+    def _listing_report(self, comm: Any, step: int, attempt: str) -> dict[str, Any]:
+        # Hosted ranks (several per thread): each lists its own verification slice as itself
+        # (its timeline), registered as its contribution to the listings gather.
+        world = self.world
+        if world.group == 1:
+            return super()._listing_report(comm, step, attempt)
+        outcomes = world.each_hosted(
+            comm, lambda rank: self.list_slice(step, attempt, rank, comm.world_size), phase="save"
+        )
+        reports: list[dict[str, Any]] = [
+            o if not isinstance(o, BaseException) else {"error": f"{type(o).__name__}: {o}"} for o in outcomes
+        ]
+        for rank, report in zip(world.hosted(comm), reports, strict=True):
+            if rank != comm.rank:
+                world.report(rank, report)
+        return reports[0]
 
     def commit(self, *args: Any, **kwargs: Any) -> Manifest:
         with clock.phase("commit"):
@@ -392,6 +410,7 @@ def _save(
             verify=adapter.switches.verify,
         )
         session.probe = probe
+        session.world = world
         try:
             with clock.phase("save"):
                 manifest = session.save(
