@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Union
+from typing import Any
 
 from . import layout
+from ._commit_checks import NO_RANK, RankReport, check_reports, check_store
 from .errors import (
     AlreadyExistsError,
     CommitConflict,
@@ -25,23 +25,15 @@ from .errors import (
     PreconditionFailedError,
     StoreError,
 )
-from .manifest import Manifest, Pointer, Reference, ShardReceipt
+from .manifest import Manifest, Pointer, Reference
 from .reader import Reader
 from .store.base import ObjectMeta, PutMode, Store, time_budget
 
-__all__ = ["Coordinator", "RankReport", "advance_pointer"]
+__all__ = ["NO_RANK", "Coordinator", "RankReport", "advance_pointer"]
 
 log = logging.getLogger("objckpt.commit")
 
-RankReport = Union[Sequence[ShardReceipt], BaseException, str]
-"""What each rank contributes to a commit: its receipts, or the error (or its text) it hit."""
-
 _WARNED_NON_ATOMIC: set[str] = set()
-
-#: rank used in ``CommitError.failures`` for a stray key that lies under no rank's prefix
-NO_RANK = -1
-#: LISTs of spread attempt prefixes the coordinator runs at once
-_LIST_THREADS = 16
 
 
 class Coordinator:
@@ -136,8 +128,8 @@ class Coordinator:
         layout.check_step(step)
         layout.check_attempt_id(attempt)
         layout.check_timeline(timeline)
-        expected = self._check_reports(step, attempt, receipts)
-        self._check_store(step, attempt, expected, listings, spread)
+        expected = check_reports(step, attempt, receipts, self.world_size)
+        check_store(self.store, step, attempt, expected, self.world_size, listings, spread)
         parent = self._parent_of(timeline, step, after)
         reused = self._check_references(step, attempt, parent, references or {})
         manifest = Manifest.create(
@@ -157,143 +149,6 @@ class Coordinator:
         manifest = self._write_manifest(manifest)
         self._advance_pointer(manifest)
         return manifest
-
-    # -- 1. every rank, each under its own prefix
-
-    def _check_reports(
-        self,
-        step: int,
-        attempt: str,
-        receipts: Mapping[int, RankReport],
-    ) -> dict[str, ShardReceipt]:
-        failures: dict[int, str] = {}
-        expected: dict[str, ShardReceipt] = {}
-        for rank in receipts:
-            if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
-                failures[rank if isinstance(rank, int) else NO_RANK] = (
-                    f"reported as rank {rank!r}, outside world of size {self.world_size}"
-                )
-        for rank in range(self.world_size):
-            if rank not in receipts:
-                failures[rank] = "sent no receipts (did not take part in the save)"
-                continue
-            report = receipts[rank]
-            if isinstance(report, BaseException):
-                failures[rank] = f"{type(report).__name__}: {report}"
-                continue
-            if isinstance(report, str):
-                failures[rank] = report or "failed (no reason given)"
-                continue
-            problems: list[str] = []
-            for r in report:
-                if not isinstance(r, ShardReceipt):
-                    problems.append(f"not a ShardReceipt: {type(r).__name__}")
-                    continue
-                parsed = layout.parse_shard_key(r.key)  # either layout: spread or not
-                if r.rank != rank or parsed is None or parsed[:3] != (step, attempt, rank):
-                    prefix = layout.rank_prefix(step, attempt, rank)
-                    problems.append(
-                        f"receipt {r.key!r} (rank {r.rank}) is outside its prefix {prefix!r} (or its spread form)"
-                    )
-                elif parsed[3] != r.name:
-                    problems.append(f"receipt {r.key!r} does not match its name {r.name!r}")
-                elif r.key in expected:
-                    problems.append(f"receipt {r.key!r} reported twice")
-                else:
-                    expected[r.key] = r
-            if problems:
-                failures[rank] = "; ".join(problems)
-        if failures:
-            raise CommitError(
-                f"step {step} attempt {attempt} not committed: not every rank delivered valid receipts",
-                failures,
-            )
-        return expected
-
-    # -- 2. receipts against the store itself
-
-    def _check_store(
-        self,
-        step: int,
-        attempt: str,
-        expected: Mapping[str, ShardReceipt],
-        listings: Mapping[int, Sequence[ObjectMeta]] | None = None,
-        spread: bool = True,
-    ) -> None:
-        """Every receipt against a listing of the store: present, same size, version and CRC32C,
-        and nothing else under the prefixes listed.
-
-        ``listings`` None: the coordinator LISTs itself every attempt prefix the receipts use
-        (one per spread prefix used, in parallel; one LIST per 1,000 shards under each).
-        Otherwise the ranks' LISTs of their :func:`~objckpt.layout.verification_slices`
-        (``verify="ranks"``; ``spread``: the layout the slices follow), which together cover
-        every attempt prefix the ranks write to, strays under no rank's prefix included: each
-        slice must come from its lister and hold only keys of that slice. The coordinator LISTs
-        only prefixes some receipt uses that no slice covers (a rank that wrote the other
-        layout): none, normally.
-        """
-        failures: dict[int, list[str]] = {}
-
-        def fail(rank: int, why: str) -> None:
-            failures.setdefault(rank, []).append(why)
-
-        used = sorted({p for k in expected if (p := layout.attempt_prefix_of(k)) is not None})
-        listed: list[ObjectMeta] = []  # what the store holds under the attempt's prefixes
-        if listings is None:
-            to_list = used or [layout.attempt_prefix(step, attempt)]  # no receipts: must be empty too
-        else:
-            slices = layout.verification_slices(step, attempt, self.world_size, spread=spread)
-            listers = {s.lister for s in slices}
-            for s in slices:
-                if s.lister not in listings:
-                    fail(s.lister, f"sent no listing of its verification slice {s.prefix!r} (verify='ranks')")
-                    continue
-                for meta in listings[s.lister]:
-                    if s.holds(meta.key):
-                        listed.append(meta)
-                    else:
-                        fail(s.lister, f"listed {meta.key!r}, outside its verification slice {s.prefix!r}")
-            for rank in sorted(set(listings) - listers):
-                fail(rank, "sent a listing but verifies no slice (verify='ranks')")
-            covered = {s.prefix for s in slices}  # each prefix's slices cover all of it
-            to_list = [p for p in used if p not in covered]
-        if len(to_list) == 1:  # the layout without spreading: the one LIST, on this thread
-            listed.extend(self.store.list(to_list[0]))
-        elif to_list:
-            with ThreadPoolExecutor(
-                min(_LIST_THREADS, len(to_list)), thread_name_prefix="objckpt-verify"
-            ) as pool:
-                for page in pool.map(lambda p: list(self.store.list(p)), to_list):
-                    listed.extend(page)
-        seen: set[str] = set()
-        for meta in listed:
-            r = expected.get(meta.key)
-            if r is None:
-                # A zombie writer (e.g. a rank of an earlier incarnation still uploading) or a
-                # stray object: committing would publish an attempt whose prefix holds data no
-                # receipt vouches for.
-                parsed = layout.parse_shard_key(meta.key)
-                owner = parsed[2] if parsed is not None and parsed[:2] == (step, attempt) else NO_RANK
-                fail(owner, f"unexpected object {meta.key!r} in the attempt prefix")
-                continue
-            seen.add(meta.key)
-            if meta.size != r.size:
-                fail(r.rank, f"{meta.key!r} is {meta.size} bytes in the store, receipt says {r.size}")
-            elif meta.version != r.version:
-                fail(
-                    r.rank, f"{meta.key!r} has version {meta.version} in the store, receipt says {r.version}"
-                )
-            elif meta.crc32c is not None and meta.crc32c != r.crc32c:
-                fail(r.rank, f"{meta.key!r} has CRC32C {meta.crc32c} in the store, receipt says {r.crc32c}")
-        for key, r in expected.items():
-            if key not in seen:
-                fail(r.rank, f"{key!r} is missing from the store")
-        if failures:
-            raise CommitError(
-                f"step {step} attempt {attempt} not committed: the store does not hold what the "
-                "ranks reported",
-                {rank: "; ".join(why) for rank, why in failures.items()},
-            )
 
     # -- 3. parent
 

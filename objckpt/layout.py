@@ -294,17 +294,33 @@ def verification_slices(step: int, attempt: str, world_size: int, *, spread: boo
     Raises:
         ValueError: invalid step, attempt id or world size.
     """
+    count = _slice_count(world_size, spread)
+    return [_slice(step, attempt, world_size, spread, i) for i in range(count)]
+
+
+def verification_slice(
+    step: int, attempt: str, world_size: int, rank: int, *, spread: bool
+) -> ListingSlice | None:
+    """``rank``'s slice of :func:`verification_slices`, or None if it lists none (O(1))."""
+    if not 0 <= _check_rank(rank) < _slice_count(world_size, spread):
+        return None
+    return _slice(step, attempt, world_size, spread, rank)
+
+
+def _slice_count(world_size: int, spread: bool) -> int:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    return min(world_size, 16**SPREAD_DIGITS) if spread else -(-world_size // RANKS_PER_SLICE)
+
+
+def _slice(step: int, attempt: str, world_size: int, spread: bool, i: int) -> ListingSlice:
     if spread:
-        return [
-            ListingSlice(r, attempt_prefix(step, attempt, spread_of(r)))
-            for r in range(min(world_size, 16**SPREAD_DIGITS))
-        ]
+        return ListingSlice(i, attempt_prefix(step, attempt, spread_of(i)))
     prefix = attempt_prefix(step, attempt)
-    starts = list(range(0, world_size, RANKS_PER_SLICE))
-    bounds: list[str | None] = [None, *(f"{prefix}{r:05d}/" for r in starts[1:]), None]
-    return [ListingSlice(i, prefix, after=bounds[i], upto=bounds[i + 1]) for i in range(len(starts))]
+    after = f"{prefix}{i * RANKS_PER_SLICE:05d}/" if i > 0 else None
+    last = (i + 1) * RANKS_PER_SLICE >= world_size
+    upto = None if last else f"{prefix}{(i + 1) * RANKS_PER_SLICE:05d}/"
+    return ListingSlice(i, prefix, after=after, upto=upto)
 
 
 def _has_dot_segment(slashed: str) -> bool:

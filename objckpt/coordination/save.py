@@ -54,6 +54,7 @@ from ..store.base import ObjectMeta, Store
 from ..timelines import claim_timeline
 from ..writer import ShardWriter
 from . import lineage
+from ._verification import gather_listings, list_slice, listed_entry
 from .comm import Comm, agree
 
 __all__ = ["SaveSession", "SaveTicket"]
@@ -109,16 +110,6 @@ class SaveTicket:
     @property
     def bytes_written(self) -> int:
         return sum(r.size for r in self.receipts)
-
-
-def _listed(d: Any) -> ObjectMeta:
-    """One entry of a rank's listing of its verification slice (``verify="ranks"``)."""
-    crc = d["crc32c"]
-    if not isinstance(d["key"], str) or not isinstance(d["version"], str) or not isinstance(d["size"], int):
-        raise TypeError(f"malformed entry {d!r}")
-    return ObjectMeta(
-        key=d["key"], size=d["size"], version=d["version"], crc32c=crc if isinstance(crc, str) else None
-    )
 
 
 def _check_same_root(hellos: list[dict[str, Any]]) -> None:
@@ -405,28 +396,7 @@ class SaveSession:
     def _gather_listings(
         self, comm: Comm, step: int, attempt: str, reports: list[Any] | None, what: str
     ) -> list[Any] | None:
-        """``verify="ranks"``, after the receipts gather (so after every rank's writes, which a
-        slice holding other ranks' keys must see): each lister LISTs its slice and rank 0 adds
-        the listing, or the failure to list, to that rank's report. Nobody lists when a rank
-        already failed or abandoned the save: nothing will be committed."""
-        go = None
-        if comm.rank == 0:
-            assert reports is not None
-            go = all(isinstance(r, dict) and not r.get("error") and not r.get("abandoned") for r in reports)
-        if not comm.broadcast(go, f"{what} verification"):
-            return reports
-        listings = comm.gather(self._listing_report(comm, step, attempt), f"{what} listings")
-        if comm.rank != 0:
-            return reports
-        assert reports is not None and listings is not None
-        merged: list[Any] = []
-        for report, listing in zip(reports, listings, strict=True):
-            if isinstance(listing, dict) and listing.get("error"):
-                report = {**report, "error": listing["error"]}
-            elif isinstance(listing, dict) and "listing" in listing:
-                report = {**report, "listing": listing["listing"]}
-            merged.append(report)
-        return merged
+        return gather_listings(comm, reports, lambda: self._listing_report(comm, step, attempt), what)
 
     def _listing_report(self, comm: Comm, step: int, attempt: str) -> dict[str, Any]:
         """This rank's contribution to the listings gather (the simulator's hosted ranks
@@ -434,22 +404,8 @@ class SaveSession:
         return self.list_slice(step, attempt, comm.rank, comm.world_size)
 
     def list_slice(self, step: int, attempt: str, rank: int, world_size: int) -> dict[str, Any]:
-        """``rank``'s LIST of its verification slice (``{"listing": [...]}``), ``{}`` if it
-        lists none, or ``{"error": ...}``: rank 0 then fails the commit naming ``rank``."""
-        for s in layout.verification_slices(step, attempt, world_size, spread=self.key_spreading):
-            if s.lister == rank:
-                break
-        else:
-            return {}
-        try:
-            listing = []
-            for m in self.store.list(s.prefix, start_after=s.after):
-                if s.upto is not None and m.key > s.upto:
-                    break  # past the slice: the next lister's
-                listing.append({"key": m.key, "size": m.size, "version": m.version, "crc32c": m.crc32c})
-        except Exception as exc:  # noqa: BLE001 - reported: rank 0 fails the commit naming this rank
-            return {"error": f"could not list its verification slice {s.prefix!r}: {exc}"}
-        return {"listing": listing}
+        """``rank``'s LIST of its verification slice: :func:`._verification.list_slice`."""
+        return list_slice(self.store, step, attempt, rank, world_size, spread=self.key_spreading)
 
     def save(
         self,
@@ -520,7 +476,7 @@ class SaveSession:
                 continue
             if listings is not None and isinstance(rep.get("listing"), list):
                 try:
-                    listings[rank] = [_listed(d) for d in rep["listing"]]
+                    listings[rank] = [listed_entry(d) for d in rep["listing"]]
                 except (KeyError, TypeError, ValueError) as exc:
                     receipts[rank] = f"sent an invalid listing of its prefix: {exc}"
         try:

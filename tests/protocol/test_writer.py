@@ -216,3 +216,11 @@ def test_verification_slices_hold_every_key_of_the_attempt_exactly_once(world: i
 def test_verification_slices_refuse_a_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         layout.verification_slices(3, layout.new_attempt_id(), 0, spread=True)
+
+
+@pytest.mark.parametrize("world,spread", [(8, True), (300, True), (150, False)])
+def test_a_ranks_own_verification_slice_is_its_entry_of_the_plan(world: int, spread: bool):
+    attempt = layout.new_attempt_id()
+    plan = layout.verification_slices(3, attempt, world, spread=spread)
+    own = [layout.verification_slice(3, attempt, world, r, spread=spread) for r in range(world)]
+    assert own == plan + [None] * (world - len(plan))
