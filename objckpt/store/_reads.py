@@ -13,7 +13,6 @@ checker only (``mypy`` checks them against ``Store``'s definitions).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .._crc import Crc32c
 from .._retry import RetryPolicy
 from ..errors import ChecksumMismatchError, TransientError
-from ._budget import budget_remaining
+from ._budget import within_budget
 from ._parts import _Scatter
 from ._types import DEFAULT_READ_CHUNK
 from .pacing import Pacer, is_throttling
@@ -166,10 +165,7 @@ class _StoreReads:
     def _stream_policy(self) -> RetryPolicy:
         """The policy for the resumes of a stream: the store's, cut down to what remains of an
         enclosing :func:`time_budget` (as for every request)."""
-        left = budget_remaining()
-        if left is not None and left < self.retry.deadline:
-            return dataclasses.replace(self.retry, deadline=round(max(0.0, left), 1))
-        return self.retry
+        return within_budget(self.retry)
 
     def get_verified(
         self, key: str, *, expected_size: int | None = None, expected_crc32c: str | None = None
