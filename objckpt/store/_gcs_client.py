@@ -49,6 +49,10 @@ from .base import ObjectMeta, PutMode, Store
 #: one logger for the GCS store, whichever of its modules logs
 log = logging.getLogger("objckpt.store.gcs")
 
+#: bytes per ranged GET of an open-ended read. Not the store-wide ``DEFAULT_READ_CHUNK`` (4 MiB,
+#: the piece size *within* one response for S3, file:// and memory): here each chunk is its own
+#: request, so the size sets the request count of a stream (4 MiB would double it). No benchmark
+#: has measured the choice; keep it apart from the buffer-piece default.
 DEFAULT_READ_CHUNK = 8 * 1024 * 1024
 DEFAULT_TIMEOUT = 60.0
 
