@@ -14,7 +14,7 @@ checker only (``mypy`` checks them against ``Store``'s definitions).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._crc import Crc32c
@@ -88,10 +88,7 @@ class _StoreReads:
         """Fill ``buffers`` from ``[start, start + total)``; a backend overrides this to read
         into them without an intermediate chunk."""
         total = sum(b.nbytes for b in buffers)
-        fill = _Scatter(buffers)
-        for chunk in self._open(key, start, start + total):
-            fill.write(memoryview(chunk).cast("B"))
-        return fill.filled
+        return fill_from(self._open(key, start, start + total), buffers)
 
     def get_stream(
         self,
@@ -172,3 +169,12 @@ class _StoreReads:
     ) -> bytes:
         """The whole object, only if its size and CRC32C match (``ChecksumMismatchError``)."""
         return b"".join(self.get_stream(key, expected_size=expected_size, expected_crc32c=expected_crc32c))
+
+
+def fill_from(chunks: Iterable[bytes], buffers: list[memoryview]) -> int:
+    """Copy ``chunks`` once, in order, into ``buffers``; how many bytes landed. A chunk stream
+    that raises part-way leaves the bytes before it in place (the caller retries whole)."""
+    fill = _Scatter(buffers)
+    for chunk in chunks:
+        fill.write(memoryview(chunk).cast("B"))
+    return fill.filled
