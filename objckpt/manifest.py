@@ -453,7 +453,8 @@ def _references(raw: Any, own: tuple[int, int], own_attempt: tuple[int, str]) ->
             ref = Reference._from_dict(item)
         except (Invalid, ValueError) as exc:
             raise Invalid(f"reference #{i}: {exc}") from None
-        layout.validate_key_in_root(ref.key)
+        # (the reference's receipt check has rejected a key outside the run root, as Invalid,
+        # so create() raises ValueError and decode() ManifestError, like every other field)
         parsed = layout.parse_shard_key(ref.key)
         if parsed is not None and parsed[:2] == own_attempt:
             raise Invalid(

@@ -7,10 +7,13 @@ on the simulated clock. ``objckpt.store.base`` re-exports both functions.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from .._retry import RetryPolicy
 
 #: the time budget of the request in progress on this thread (an absolute ``time.monotonic()``
 #: deadline), shared by every store: a request made while another is being retried (GCS's
@@ -22,6 +25,17 @@ def budget_remaining() -> float | None:
     """Seconds left of the innermost :func:`time_budget` on this thread, or ``None``."""
     deadline = getattr(_budget, "deadline", None)
     return None if deadline is None else deadline - time.monotonic()
+
+
+def within_budget(policy: RetryPolicy) -> RetryPolicy:
+    """``policy`` with its deadline cut down to what remains of the innermost
+    :func:`time_budget` on this thread (rounded to 0.1 s, never negative); ``policy`` itself when
+    no budget is set or the budget leaves more than its deadline. The one place a request's (and
+    a stream's resumes') retry budget is cut."""
+    left = budget_remaining()
+    if left is not None and left < policy.deadline:
+        return dataclasses.replace(policy, deadline=round(max(0.0, left), 1))
+    return policy
 
 
 @contextmanager
@@ -40,4 +54,4 @@ def time_budget(seconds: float) -> Iterator[None]:
         _budget.deadline = previous
 
 
-__all__ = ["budget_remaining", "time_budget"]
+__all__ = ["budget_remaining", "time_budget", "within_budget"]

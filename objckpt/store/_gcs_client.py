@@ -49,6 +49,10 @@ from .base import ObjectMeta, PutMode, Store
 #: one logger for the GCS store, whichever of its modules logs
 log = logging.getLogger("objckpt.store.gcs")
 
+#: bytes per ranged GET of an open-ended read. Not the store-wide ``DEFAULT_READ_CHUNK`` (4 MiB,
+#: the piece size *within* one response for S3, file:// and memory): here each chunk is its own
+#: request, so the size sets the request count of a stream (4 MiB would double it). No benchmark
+#: has measured the choice; keep it apart from the buffer-piece default.
 DEFAULT_READ_CHUNK = 8 * 1024 * 1024
 DEFAULT_TIMEOUT = 60.0
 
@@ -120,7 +124,10 @@ class _GCSClient(Store):
         self._owns_client = client is None  # an injected client is the caller's to close
         self._client_lock = threading.Lock()
         self._aux: ThreadPoolExecutor | None = None
-        self._bucket_seen = False  # set once the bucket is known to exist (404 triage)
+        # set once the bucket is known to exist (404 triage); read and written only under
+        # _bucket_lock, held across the probe, so concurrent first uses ask once (_bucket_exists)
+        self._bucket_seen = False
+        self._bucket_lock = threading.Lock()
         # per thread: the put whose last try ended in a transient error (it may have been
         # applied); the store's retry loop re-calls _put on the same thread
         self._unsure = threading.local()
@@ -218,15 +225,24 @@ class _GCSClient(Store):
             return True
         if operation in ("put", "list", "list_prefixes", "create_upload", "list_uploads", "upload_part"):
             return True  # these address the bucket only
-        if self._bucket_seen:
-            return False
-        # fake-gcs-server says just "Not Found" for both: ask once, then remember.
-        try:
-            exists = bool(self._bucket.exists(timeout=self.timeout, retry=None))
-        except _SDK_ERRORS:
-            return False  # cannot tell: report the object as missing, as the server said
-        self._bucket_seen = exists
-        return not exists
+        # fake-gcs-server says just "Not Found" for both: ask (once). Cannot tell: report the
+        # object as missing, as the server said.
+        return self._bucket_exists() is False
+
+    def _bucket_exists(self) -> bool | None:
+        """Whether the bucket exists, asked of the server until it is known to (then
+        remembered); ``None``: the probe failed, so nothing is remembered and the next call asks
+        again. One probe for every 404 triage; the lock is held across it, so threads that meet
+        their first 404 together make one request, not one each."""
+        with self._bucket_lock:
+            if self._bucket_seen:
+                return True
+            try:
+                exists = bool(self._bucket.exists(timeout=self.timeout, retry=None))
+            except _SDK_ERRORS:
+                return None
+            self._bucket_seen = exists
+            return exists
 
     def _map_error(
         self, exc: BaseException, operation: str, key: str, mode: PutMode | None = None
@@ -358,19 +374,15 @@ class _GCSClient(Store):
         if not names:
             return
         results = list(self._aux_pool().map(one, names))
-        if not all(results) and not self._bucket_seen:
-            try:
-                exists = bool(self._bucket.exists(timeout=self.timeout, retry=None))
-            except _SDK_ERRORS:
-                exists = True  # cannot tell; the deletes themselves did not fail
-            if not exists:
-                raise BucketNotFoundError(
-                    f"bucket {self.bucket_name!r} does not exist",
-                    key="",
-                    location=self.location,
-                    operation="delete",
-                )
-            self._bucket_seen = True
+        # A failed probe cannot tell: the deletes themselves did not fail (and, unlike before,
+        # nothing is remembered, so a later 404 asks again, as _bucket_missing does).
+        if not all(results) and self._bucket_exists() is False:
+            raise BucketNotFoundError(
+                f"bucket {self.bucket_name!r} does not exist",
+                key="",
+                location=self.location,
+                operation="delete",
+            )
 
 
 __all__ = ["DEFAULT_READ_CHUNK", "DEFAULT_TIMEOUT", "PRIVATE"]

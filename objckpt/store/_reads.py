@@ -13,15 +13,14 @@ checker only (``mypy`` checks them against ``Store``'s definitions).
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._crc import Crc32c
 from .._retry import RetryPolicy
 from ..errors import ChecksumMismatchError, TransientError
-from ._budget import budget_remaining
+from ._budget import within_budget
 from ._parts import _Scatter
 from ._types import DEFAULT_READ_CHUNK
 from .pacing import Pacer, is_throttling
@@ -89,10 +88,7 @@ class _StoreReads:
         """Fill ``buffers`` from ``[start, start + total)``; a backend overrides this to read
         into them without an intermediate chunk."""
         total = sum(b.nbytes for b in buffers)
-        fill = _Scatter(buffers)
-        for chunk in self._open(key, start, start + total):
-            fill.write(memoryview(chunk).cast("B"))
-        return fill.filled
+        return fill_from(self._open(key, start, start + total), buffers)
 
     def get_stream(
         self,
@@ -166,13 +162,19 @@ class _StoreReads:
     def _stream_policy(self) -> RetryPolicy:
         """The policy for the resumes of a stream: the store's, cut down to what remains of an
         enclosing :func:`time_budget` (as for every request)."""
-        left = budget_remaining()
-        if left is not None and left < self.retry.deadline:
-            return dataclasses.replace(self.retry, deadline=round(max(0.0, left), 1))
-        return self.retry
+        return within_budget(self.retry)
 
     def get_verified(
         self, key: str, *, expected_size: int | None = None, expected_crc32c: str | None = None
     ) -> bytes:
         """The whole object, only if its size and CRC32C match (``ChecksumMismatchError``)."""
         return b"".join(self.get_stream(key, expected_size=expected_size, expected_crc32c=expected_crc32c))
+
+
+def fill_from(chunks: Iterable[bytes], buffers: list[memoryview]) -> int:
+    """Copy ``chunks`` once, in order, into ``buffers``; how many bytes landed. A chunk stream
+    that raises part-way leaves the bytes before it in place (the caller retries whole)."""
+    fill = _Scatter(buffers)
+    for chunk in chunks:
+        fill.write(memoryview(chunk).cast("B"))
+    return fill.filled

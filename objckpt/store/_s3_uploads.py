@@ -21,9 +21,7 @@ from ..errors import (
 )
 from ._s3_client import _S3Client
 from ._s3_wire import _body_of, _quoted, multipart_etag
-from .base import ObjectMeta, PartResult, PendingUpload, PutMode, UploadHandle
-
-S3_MAX_PARTS = 10_000
+from .base import MAX_PARTS, ObjectMeta, PartResult, PendingUpload, PutMode, UploadHandle
 
 
 class _S3Uploads(_S3Client):
@@ -46,9 +44,9 @@ class _S3Uploads(_S3Client):
     ) -> PartResult:
         """UploadPart with the CRC32C S3 verifies; a part spanning buffers is sent as one
         streamed body over them (no assembly copy)."""
-        if part_number > S3_MAX_PARTS:
+        if part_number > MAX_PARTS:
             raise StoreError(
-                f"more than {S3_MAX_PARTS} parts: raise part_size for objects this large",
+                f"more than {MAX_PARTS} parts: raise part_size for objects this large",
                 key=handle.key,
                 location=self.location,
                 operation="upload_part",

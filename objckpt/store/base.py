@@ -34,7 +34,6 @@ constants and :func:`key_problem` in ``_types.py``; the per-thread time budget i
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -45,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from .._crc import encode_crc32c
 from .._retry import RetryPolicy
 from ..errors import ConfigError, InvalidKeyError, NotSupportedError
-from ._budget import budget_remaining, time_budget
+from ._budget import budget_remaining, time_budget, within_budget
 from ._options import Option
 from ._parts import _joined, advance, iter_parts
 from ._reads import _StoreReads
@@ -241,10 +240,7 @@ class Store(_StoreWrites, _StoreReads, ABC):
         """One request under the retry policy: its time budget, cut down to what remains of an
         enclosing :func:`time_budget` (so nested requests never restart the clock), is shared
         with any request made while this one runs on this thread."""
-        policy = self.retry
-        left = budget_remaining()
-        if left is not None and left < policy.deadline:
-            policy = dataclasses.replace(policy, deadline=round(max(0.0, left), 1))
+        policy = within_budget(self.retry)
         if self.pacing is not None:
             fn = self.pacing.wrap(fn)  # each try holds a slot; a throttled one cuts the limit
         with time_budget(policy.deadline):

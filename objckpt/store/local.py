@@ -61,7 +61,8 @@ filesystem cannot hold both ``a`` and ``a/b``; writing one while the other exist
 Errors: ``ENOENT`` -> :class:`NotFoundError`, ``EACCES``/``EPERM``/``EROFS`` ->
 :class:`PermissionDeniedError`, ``ENOSPC``/``EDQUOT`` -> :class:`StoreError` saying the disk is
 full (not transient: retrying will not free space), ``EAGAIN``/``EBUSY``/``ETIMEDOUT``/``ESTALE``
--> :class:`TransientError`, anything else -> :class:`StoreError`; each names the key and root.
+and ``EINTR`` (a syscall interrupted by a signal) -> :class:`TransientError`, anything else ->
+:class:`StoreError`; each names the key and root.
 
 POSIX only (``fcntl``, ``os.link``, ``os.pwrite``).
 

@@ -161,21 +161,23 @@ class S3Store(_S3Uploads, _S3Reads):
 
     def _check_bucket(self, key: str, original: NotFoundError) -> None:
         """Once per store: turn a HEAD 404 into :class:`BucketNotFoundError` when that is the
-        cause (a missing bucket is a configuration problem, never a missing checkpoint)."""
-        if self._bucket_checked:
-            return
-        try:
-            self._request("head", key, self._client.head_bucket)
-        except NotFoundError as exc:
-            raise BucketNotFoundError(
-                f"bucket {self.bucket!r} does not exist",
-                key=key,
-                location=self.location,
-                operation="head",
-            ) from exc
-        except StoreError:
-            return  # cannot tell (e.g. no ListBucket permission); keep the original error
+        cause (a missing bucket is a configuration problem, never a missing checkpoint).
+        ``_bucket_checked`` is read and written under ``_bucket_lock``, held across the probe,
+        so threads that meet their first 404 together make one HeadBucket, not one each."""
         with self._bucket_lock:
+            if self._bucket_checked:
+                return
+            try:
+                self._request("head", key, self._client.head_bucket)
+            except NotFoundError as exc:
+                raise BucketNotFoundError(
+                    f"bucket {self.bucket!r} does not exist",
+                    key=key,
+                    location=self.location,
+                    operation="head",
+                ) from exc
+            except StoreError:
+                return  # cannot tell (e.g. no ListBucket permission); keep the original error
             self._bucket_checked = True
 
     def _list_page(self, prefix: str, start_after: str | None, limit: int) -> tuple[list[ObjectMeta], bool]:

@@ -18,7 +18,9 @@ Op names are the primitive names without the leading underscore::
     put open head list_page list_prefixes delete_batch
     create_upload upload_part complete_upload abort_upload list_uploads
 
-(``get``, ``get_stream`` and ``get_verified`` all read through ``open``; GC's ``abort_upload``
+(``get``, ``get_stream`` and ``get_verified`` all read through ``open``; ``get_into`` (ranged
+restores) reads through the inner store's own ``_read_into``, counted and faulted as ``open``:
+the same one ranged GET; GC's ``abort_upload``
 of a pending upload goes through ``abort_upload``.) A :class:`Fault` naming any other op is a
 ``ValueError``, so a rule cannot silently match nothing.
 
@@ -40,6 +42,7 @@ from typing import Any, TypeVar
 
 from .._retry import RetryPolicy
 from ..errors import ChecksumMismatchError, ConfigError, StoreError, TransientError
+from ._reads import fill_from
 from .base import (
     Capabilities,
     ObjectMeta,
@@ -105,6 +108,11 @@ class _Wrapper(Store):
     def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
         # Not a generator: the call is counted (and may fail) when the stream is opened.
         return self._invoke("open", key, None, self.inner._open, key, start, end)
+
+    def _read_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        # the inner backend's own scatter read (S3 readinto, file preadv), not the default that
+        # buffers each chunk of _open; one ranged GET, so it is the op "open"
+        return self._invoke("open", key, None, self.inner._read_into, key, start, buffers)
 
     def _head(self, key: str) -> ObjectMeta:
         return self._invoke("head", key, None, self.inner._head, key)
@@ -424,6 +432,20 @@ class FaultInjectingStore(_Wrapper):
         if fault.after:
             fn(*args)
         raise self._make_error(fault, op, key)
+
+    def _read_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        fault = self._pick("open", key, None)
+        if fault is None:
+            return self.inner._read_into(key, start, buffers)
+        if fault.after_bytes is not None:
+            # a reset mid-download: the bytes before the fault point land, then the error (a
+            # stream to break is needed, so this one read goes through the inner _open)
+            total = sum(b.nbytes for b in buffers)
+            stream = self._break_stream(self.inner._open(key, start, start + total), fault, key)
+            return fill_from(stream, buffers)
+        if fault.after:
+            self.inner._read_into(key, start, buffers)
+        raise self._make_error(fault, "open", key)
 
     def _break_stream(self, stream: Iterator[bytes], fault: Fault, key: str) -> Iterator[bytes]:
         budget = fault.after_bytes or 0

@@ -260,3 +260,17 @@ def test_timelines_have_their_own_keys_and_parents_must_be_older() -> None:
         Manifest.create(
             step=50, attempt=ATTEMPT, world_size=1, shards=[], timeline=1, parent=10, parent_timeline=2
         )  # noqa: E501
+
+
+@pytest.mark.parametrize("bad_key", ["../outside/model.pt", "/abs/model.pt", "s3://other/model.pt"])
+def test_a_reference_outside_the_run_root_is_value_error_on_create_and_manifest_error_on_decode(bad_key):
+    # one key check, the reference's receipt check: the error types the docstrings promise
+    from objckpt.manifest import Reference
+
+    ref = Reference(bad_key, 5, "v1", crc32c_b64(b"hello"), 0, 100, 0, "model.pt")
+    with pytest.raises(ValueError, match="invalid manifest") as info:
+        manifest(references=[ref])
+    assert not isinstance(info.value, ManifestError)
+    good = manifest()
+    with pytest.raises(ManifestError, match="reference #0"):
+        Manifest.decode(forge_manifest(good, references=[ref.to_dict()]), key=good.key)

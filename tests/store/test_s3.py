@@ -744,3 +744,47 @@ def test_localstack_ready_hook_creates_the_test_bucket():
         with open_store(server.uri("hook-made-bucket", "run")) as store:
             store.put("k", b"x", mode=PutMode.CREATE)
             assert store.get("k") == b"x"
+
+
+def test_concurrent_first_404s_make_one_head_bucket():
+    # _bucket_checked was read without its lock: two threads meeting their first HEAD 404
+    # together each sent a HeadBucket. The lock is now held across the probe.
+    import threading
+
+    tried = threading.Event()
+    probes: list[int] = []
+    other: list[threading.Thread] = []
+
+    class _Client:
+        def head_bucket(self, **_: object) -> dict:
+            probes.append(1)
+            if len(probes) == 1:
+                other[0].start()
+                # the other thread waits for the lock (one probe) or probes itself (a double
+                # probe); either sets the event, so no timing is asserted
+                assert tried.wait(30)
+            tried.set()
+            return {}
+
+    store = S3Store("bkt", client=_Client(), retry=ONE_TRY)
+
+    class _SeenLock:
+        """The store's lock, telling when a second thread is waiting for it."""
+
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            if not self._lock.acquire(blocking=False):
+                tried.set()
+                self._lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self._lock.release()
+
+    store._bucket_lock = _SeenLock()  # type: ignore[assignment]
+    missing = NotFoundError("no such key", key="k", location=store.location)
+    other.append(threading.Thread(target=store._check_bucket, args=("k", missing)))
+    store._check_bucket("k", missing)
+    other[0].join(30)
+    assert len(probes) == 1 and store._bucket_checked

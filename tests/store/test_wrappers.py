@@ -111,3 +111,60 @@ def test_wrappers_inherit_the_capabilities_of_the_store_they_wrap():
     )
     assert PrefixStore(weak, "run").capabilities == weak.capabilities
     assert CountingStore(weak).capabilities == weak.capabilities
+
+
+class _ReadIntoCounting(MemoryStore):
+    """A MemoryStore that counts its own ``_read_into`` (the path a restore's ``get_into`` takes
+    on backends with a scatter read) and its ``_open``."""
+
+    def __init__(self) -> None:
+        super().__init__("bucket")
+        self.read_into_calls = 0
+        self.open_calls = 0
+
+    def _read_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        self.read_into_calls += 1
+        return super()._read_into(key, start, buffers)
+
+    def _open(self, key: str, start: int, end: int | None):  # type: ignore[no-untyped-def]
+        self.open_calls += 1
+        return super()._open(key, start, end)
+
+
+def _wrapped(kind: str, inner: MemoryStore) -> CountingStore | FaultInjectingStore:
+    return CountingStore(inner) if kind == "counting" else FaultInjectingStore(inner)
+
+
+@pytest.mark.parametrize("kind", ["counting", "faults"])
+def test_get_into_through_a_wrapper_uses_the_inner_stores_read_into(kind):
+    inner = _ReadIntoCounting()
+    inner.put("k", b"0123456789")
+    store = _wrapped(kind, inner)
+    buf = bytearray(4)
+    assert store.get_into("k", 3, [memoryview(buf)]) == 4 and bytes(buf) == b"3456"
+    # the inner store's own scatter read, once (its _open is its own default's business: one call)
+    assert (inner.read_into_calls, inner.open_calls) == (1, 1)
+    if isinstance(store, CountingStore):
+        assert store.counts == {"open": 1}  # one ranged GET, counted as the op "open"
+
+
+def test_faults_on_open_fire_on_get_into_and_are_retried():
+    inner = _ReadIntoCounting()
+    inner.put("k", b"0123456789")
+    store = FaultInjectingStore(inner, [Fault(op="open", key="k", times=2)])
+    buf = bytearray(10)
+    assert store.get_into("k", 0, [memoryview(buf)]) == 10 and bytes(buf) == b"0123456789"
+    assert store.injected == [("open", "k"), ("open", "k")]
+    assert inner.read_into_calls == 1  # the two failed tries never reached the inner store
+
+
+def test_a_mid_stream_fault_on_get_into_lands_the_bytes_before_it_then_retries():
+    inner = _ReadIntoCounting()
+    inner.put("k", b"0123456789")
+    store = FaultInjectingStore(inner, [Fault(op="open", key="k", after_bytes=4)])
+    counting = CountingStore(store)
+    buf = bytearray(10)
+    assert counting.get_into("k", 0, [memoryview(buf)]) == 10 and bytes(buf) == b"0123456789"
+    assert store.injected == [("open", "k")] and counting.counts == {"open": 2}
+    # the broken try streamed through the inner _open; the retry used the inner _read_into
+    assert inner.read_into_calls == 1
