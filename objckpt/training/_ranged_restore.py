@@ -28,7 +28,7 @@ memory that is at most one slice's temporaries (``S3Store``: urllib3's ``readint
 ``LocalStore``'s ``preadv``: none); where ``get_into`` falls back to the default
 ``Store._read_into`` over ``_open`` it is the whole range, up to ``part_size`` (a backend or
 wrapper without its own ``_read_into``; ``PrefixStore``, which every s3:// run root with a
-prefix is, forwards it). Never more than ``window x part_size``, whatever the shard's size.
+prefix is, ``CountingStore`` and ``FaultInjectingStore`` forward it). Never more than ``window x part_size``, whatever the shard's size.
 
 Format 3 (:mod:`._chunked`, what a deduplicating save writes): the probe holds the stub, the
 header and footer at the end are read by :func:`._chunked.read_header` (checked against the
