@@ -34,6 +34,7 @@ import atexit
 import json
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -282,15 +283,21 @@ def _gather_round(
     world_size: int,
 ) -> memoryview:
     """One round of the exchange: every rank's ``width`` bytes from ``offset`` (this rank's
-    zero-padded), received straight into the first ``world_size x width`` bytes of ``buffer``;
-    returns a view of them."""
-    source = bytearray(width)
+    sent straight from ``mine``, or zero-padded when it has fewer), received straight into the
+    first ``world_size x width`` bytes of ``buffer``; returns a view of them."""
     piece = memoryview(mine)[offset : offset + width]
-    source[: len(piece)] = piece
+    if piece.nbytes == width and piece.nbytes:
+        # sent from ``mine`` itself, no copy: the all-gather only reads its input, so torch's
+        # warning about a read-only buffer does not apply
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(piece, dtype=torch.uint8)
+    else:  # this rank's last piece, or a shorter contribution: zero-padded to the width
+        padded = bytearray(width)
+        padded[: piece.nbytes] = piece
+        source = torch.frombuffer(padded, dtype=torch.uint8)
     view = memoryview(buffer)[: world_size * width]
-    gather(
-        torch.frombuffer(view, dtype=torch.uint8), torch.frombuffer(source, dtype=torch.uint8), group=group
-    )
+    gather(torch.frombuffer(view, dtype=torch.uint8), source, group=group)
     return view
 
 
