@@ -16,6 +16,14 @@ ratio printed is that extra over the state (goal <= 1.1x: shards are read straig
 staged tensors, ``training._ranged_restore``).
 
     python -m benchmarks.mem_bench --store file --mib 64 --mib 256
+
+The multi-rank leg (``--ranks 2 --ranks 4``) restores a replicated state (``--rep-mib``) saved
+by W gloo ranks from a file:// root with ``replicated_read="once"``: each rank downloads ~1/W of
+it and the ranks exchange the rest (``Comm.all_gather_bytes``). Per rank: peak RSS during the
+restore over RSS just before it, and tracemalloc's peak; the ratio is the worst rank's extra
+over the state (goal <= 1.1x: the staged copy, and not a second copy for the exchange).
+
+    python -m benchmarks.mem_bench --ranks 2 --ranks 4 --rep-mib 256 --runs 3
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BUCKET, REPO, MiB, make_model, write_json
+from benchmarks.common import BUCKET, REPO, MiB, fingerprint, make_model, write_json
 
 
 def _status(field: str) -> int:
@@ -90,6 +98,128 @@ def child(
     write_json(out, result)
 
 
+def rank_child(rank: int, world_size: int, rendezvous: str, root: str, size: int, out: str) -> None:
+    """One gloo rank of the multi-rank leg: save the replicated state, then measure its
+    read-once restore into a fresh module."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from objckpt.store import open_store
+    from objckpt.training.manager import CheckpointManager
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=600),
+    )
+    try:
+        model = make_model(size, 16)
+        with CheckpointManager(open_store(root), keep_last=None, timeout=600, dedup=False) as mgr:
+            mgr.save(1, {"model": model})
+        fresh = make_model(size, 16, seed=1)
+        with CheckpointManager(
+            open_store(root), keep_last=None, timeout=600, replicated_read="once", dedup=False
+        ) as mgr:
+            dist.barrier()
+            _trim()
+            rss_before = _status("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")
+            tracemalloc.start()
+            t = time.perf_counter()
+            mgr.restore({"model": fresh})
+            elapsed = time.perf_counter() - t
+            _, traced_peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            extra = _status("VmHWM") - rss_before
+        same = fingerprint(model) == fingerprint(fresh)  # bit patterns: random ones hold NaNs
+        write_json(
+            out,
+            {
+                "rss_before": rss_before,
+                "extra_rss": extra,
+                "traced_peak": traced_peak,
+                "seconds": elapsed,
+                "same": same,
+            },
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_ranks(
+    worlds: list[int], rep_mib: int, runs: int, *, timeout: float = 900
+) -> list[dict[str, Any]]:
+    """``runs`` read-once restores per world size, each in ``W`` fresh processes; one row per
+    world size with every run's per-rank results."""
+    from objckpt.testing.s3_servers import child_env
+
+    rows = []
+    for w in worlds:
+        row: dict[str, Any] = {"ranks": w, "state_bytes": rep_mib * MiB, "runs": []}
+        for _ in range(runs):
+            with tempfile.TemporaryDirectory(prefix="objckpt-mem-ranks-") as tmp:
+                env = child_env({"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"})
+                procs = []
+                for r in range(w):
+                    args = json.dumps(
+                        [r, w, f"{tmp}/rdv", f"file://{tmp}/root", rep_mib * MiB, f"{tmp}/r{r}.json"]
+                    )
+                    cmd = [sys.executable, "-m", "benchmarks.mem_bench", "--rank-child", args]
+                    procs.append(
+                        subprocess.Popen(
+                            cmd,
+                            cwd=REPO,
+                            env=env,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
+                            text=True,
+                        )
+                    )
+                outs = []
+                for p in procs:
+                    try:
+                        outs.append(p.communicate(timeout=timeout)[0])
+                    except subprocess.TimeoutExpired:
+                        for q in procs:
+                            q.kill()
+                        outs.append("timed out")
+                files = [Path(tmp) / f"r{r}.json" for r in range(w)]
+                if any(p.returncode != 0 for p in procs) or not all(f.exists() for f in files):
+                    row["error"] = "\n".join(o[-1500:] for o in outs)
+                    break
+                row["runs"].append([json.loads(f.read_text()) for f in files])
+        rows.append(row)
+    return rows
+
+
+def _ranks_report(row: dict[str, Any]) -> str:
+    import statistics
+
+    w, state = row["ranks"], row["state_bytes"]
+    if "error" in row:
+        return f"read-once restore, {w} ranks: ERROR {row['error']}"
+    worst = [max(r["extra_rss"] for r in run) for run in row["runs"]]
+    traced = [max(r["traced_peak"] for r in run) for run in row["runs"]]
+    per_rank = [[r["extra_rss"] for r in run] for run in row["runs"]]
+    same = all(r["same"] for run in row["runs"] for r in run)
+
+    def fmt(xs: list[int]) -> str:
+        return f"{statistics.median(xs) / MiB:.0f} MiB ({min(xs) / MiB:.0f}-{max(xs) / MiB:.0f})"
+
+    ratios = [x / state for x in worst]
+    return (
+        f"read-once restore, {w} ranks, {state // MiB} MiB replicated, {len(worst)} runs: worst-rank "
+        f"extra RSS {fmt(worst)} = {statistics.median(ratios):.2f}x the state ({min(ratios):.2f}-"
+        f"{max(ratios):.2f}); traced peak {fmt(traced)}; per rank, run by run (MiB): "
+        f"{[[round(x / MiB) for x in run] for run in per_rank]}; restored equal: {same}"
+    )
+
+
 def measure(
     store: str,
     sizes_mib: list[int],
@@ -143,9 +273,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", choices=["localstack", "moto"], default="localstack")
     ap.add_argument("--endpoint")
     ap.add_argument("--mib", type=int, action="append")
+    ap.add_argument("--rank-child", help=argparse.SUPPRESS)
+    ap.add_argument("--ranks", type=int, action="append", help="the multi-rank read-once leg at W ranks")
+    ap.add_argument("--rep-mib", type=int, default=256, help="replicated state of that leg (MiB)")
+    ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
     if args.child:
         child(*json.loads(args.child))
+        return 0
+    if args.rank_child:
+        rank_child(*json.loads(args.rank_child))
+        return 0
+    if args.ranks:
+        for row in measure_ranks(args.ranks, args.rep_mib, args.runs):
+            print(_ranks_report(row))
         return 0
     sizes = args.mib or [64, 256]
     if args.store == "s3":

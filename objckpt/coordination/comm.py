@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from .._crc import Buffer
 from ..errors import DistributedError, decode_error, encode_error
 
 __all__ = ["Comm", "LocalComm", "ThreadComm", "ThreadWorld", "agree", "exchange_rounds"]
@@ -83,13 +84,16 @@ class Comm(ABC):
             raise DistributedError(f"{what}: rank {src} sent no bytes")
         return base64.b64decode(got)
 
-    def all_gather_bytes(self, data: bytes | None, sizes: Sequence[int], what: str) -> Sequence[bytes]:
+    def all_gather_bytes(self, data: bytes | None, sizes: Sequence[int], what: str) -> Sequence[Buffer]:
         """Every rank's bytes on every rank, in rank order: rank ``r`` contributes exactly
         ``sizes[r]`` bytes. ``sizes`` is known to every rank in advance (every rank passes the
         same list), so no length is exchanged; ``data`` may be ``None`` where this rank's size is
-        0. A collective of every rank. This rank's own entry is ``data`` itself; the returned
-        sequence may be shared with other ranks of the same process (:class:`ThreadComm`): read
-        it, never modify it.
+        0. A collective of every rank. This rank's own entry is ``data`` itself; the others are
+        bytes-like (``bytes``, or read-only ``memoryview`` s into the transport's receive buffers
+        over gloo, so the exchange copies nothing per rank: take ``len()``, slice, hash or
+        ``memoryview()`` them, and keep them only as long as needed, since a view keeps its whole
+        receive buffer alive). The returned sequence may be shared with other ranks of the same
+        process (:class:`ThreadComm`): read it, never modify it.
 
         The default sends each non-empty contribution with :meth:`broadcast_bytes` (one
         collective per contributing rank, so any Comm works); :class:`ThreadComm` and the gloo
@@ -108,7 +112,7 @@ class Comm(ABC):
         _raise_unfit(self, data, sizes, what)
         return got
 
-    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[Buffer]:
         """:meth:`all_gather_bytes` once the arguments are checked (``mine`` is exactly
         ``sizes[rank]`` bytes): what a transport overrides."""
         out: list[bytes] = []

@@ -35,7 +35,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from .._crc import crc32c_b64
+from .._crc import Buffer, crc32c_b64
 from ..errors import DistributedError, decode_error, encode_error, is_damage, with_rank
 from ..manifest import ShardReceipt
 from ..reader import Reader
@@ -68,9 +68,11 @@ def read_shared(
     what: str,
     *,
     error: BaseException | None = None,
-) -> dict[str, bytes]:
+) -> dict[str, Buffer]:
     """Every rank gets the verified bytes of every shard in ``receipts``; each shard is downloaded
-    by one rank only. A collective: every rank calls it with the same receipts, in any order
+    by one rank only (values are bytes-like: this rank's own reads as ``bytes``, the others'
+    read-only ``memoryview`` s into the exchange's receive buffers, never copied here; drop each
+    once decoded, so its buffer can be freed). A collective: every rank calls it with the same receipts, in any order
     (ranks that name different sets raise :class:`DistributedError`, all of them).
 
     ``error``: this rank failed before it could take part (e.g. its own shard is not in the
@@ -88,7 +90,7 @@ def read_shared(
     unique = {r.key: r for r in receipts}
     ordered = sorted(unique.values(), key=lambda r: r.key)
     owners = assign(ordered, comm.world_size)
-    got: dict[str, bytes] = {}
+    read: dict[str, bytes] = {}  # this rank's own downloads
     verdict: dict[str, Any] = {"plan": _digest(ordered)}
     for r in ordered:
         if error is not None:
@@ -96,7 +98,7 @@ def read_shared(
         if owners[r.key] != comm.rank:
             continue
         try:
-            got[r.key] = reader.read_shard(r)
+            read[r.key] = reader.read_shard(r)
         except Exception as exc:  # noqa: BLE001 - classified by the one damage rule, agreed below
             error = exc
     if error is not None:
@@ -109,7 +111,9 @@ def read_shared(
     sizes = [sum(r.size for r in rs) for rs in owned]
     mine = owned[comm.rank]
     # one shard (the usual case at scale, W shards on W ranks) is sent as is, without a copy
-    contribution = got[mine[0].key] if len(mine) == 1 else b"".join(got[r.key] for r in mine)
+    contribution = read[mine[0].key] if len(mine) == 1 else b"".join(read[r.key] for r in mine)
+    got: dict[str, Buffer] = dict(read)
+    del read
     blobs = comm.all_gather_bytes(contribution, sizes, f"{what}: the shared shards")
     del contribution
     corrupt: list[str] = []
@@ -117,13 +121,13 @@ def read_shared(
         if src == comm.rank or not receipts_of:
             continue
         blob = blobs[src]
-        if len(blob) != sizes[src]:
-            corrupt.append(f"{len(blob)} bytes from rank {src}, {sizes[src]} expected")
+        if memoryview(blob).nbytes != sizes[src]:
+            corrupt.append(f"{memoryview(blob).nbytes} bytes from rank {src}, {sizes[src]} expected")
             continue
         offset = 0
         for r in receipts_of:
-            # a slice of the whole of a bytes object is that object: no copy for a lone shard
-            data = blob[offset : offset + r.size]
+            # no copy: a view into the receive buffer (a whole-bytes slice is that object)
+            data = memoryview(blob)[offset : offset + r.size]
             offset += r.size
             crc = crc32c_b64(data)
             if crc != r.crc32c:

@@ -34,12 +34,14 @@ import atexit
 import json
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
+from .._crc import Buffer
 from ..coordination.comm import Comm, LocalComm, exchange_rounds
 from ..defaults import EXCHANGE_BUDGET, HANDSHAKE_TIMEOUT, TIMEOUT
 from ..errors import DistributedError
@@ -201,57 +203,54 @@ class DistComm(Comm):
             raise DistributedError(f"{what}: rank {src} has no bytes to send")
         return self._broadcast_raw((data or b"") if self.rank == src else b"", what, False, src)
 
-    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[Buffer]:
         """Every rank's bytes on every rank (see :meth:`Comm.all_gather_bytes`): one gloo
         all-gather of uint8 tensors per round of :func:`exchange_rounds` over the data group, and
         no length collective (every rank knows ``sizes``). No collective at all when every size is
         0.
 
-        Memory on each rank, beyond the returned bytes (``sum(sizes)``, own entry included):
-        one round's gathered buffer, ``world_size x width <= max(exchange_budget, world_size)``
-        bytes (``exchange_budget``: :data:`objckpt.defaults.EXCHANGE_BUDGET` unless set on the
-        communicator), plus its own ``width``-byte input; with several rounds each rank's bytes
-        are assembled in a ``bytearray`` and turned into ``bytes`` one rank at a time (one more
-        copy of the largest contribution at a time). A contribution larger than
-        ``exchange_budget / world_size`` takes several rounds: ``ceil(max(sizes) x world_size /
+        Other ranks' entries are read-only ``memoryview`` s, never copies: with one round, views
+        into the one buffer the all-gather received into (``world_size x width`` bytes, kept
+        alive by the views); with several rounds, views of one buffer per rank allocated before
+        the first round, each round received into one reused round buffer and copied once into
+        place. Memory on each rank, beyond ``mine``: one round's gathered buffer (``world_size x
+        width <= max(exchange_budget, world_size)`` bytes, ``exchange_budget``:
+        :data:`objckpt.defaults.EXCHANGE_BUDGET` unless set on the communicator) plus its own
+        ``width``-byte input, and with several rounds the other ranks' bytes. A contribution
+        larger than ``exchange_budget / world_size`` takes ``ceil(max(sizes) x world_size /
         exchange_budget)`` collectives in all."""
         rounds = exchange_rounds(sizes, self.exchange_budget)
         group = self._data
 
-        def go() -> list[bytes]:
+        def go() -> list[Buffer]:
             dist = torch.distributed
             # torch 2.13 renames all_gather_into_tensor (one collective either way)
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            parts: list[bytearray | None] = [
-                bytearray(n) if len(rounds) > 1 and r != self.rank else None for r, n in enumerate(sizes)
-            ]
-            out: list[bytes] = [b""] * self.world_size
-            for offset, width in rounds:
-                source = bytearray(width)
-                piece = memoryview(mine)[offset : offset + width]
-                source[: len(piece)] = piece
-                # received straight into a buffer whose slices become the returned bytes
-                received = bytearray(self.world_size * width)
-                gather(
-                    torch.frombuffer(received, dtype=torch.uint8),
-                    torch.frombuffer(source, dtype=torch.uint8),
-                    group=group,
+            out: list[Buffer] = [b""] * self.world_size
+            out[self.rank] = mine
+            if len(rounds) == 1:
+                _, width = rounds[0]
+                received = _gather_round(
+                    gather, group, mine, 0, width, bytearray(self.world_size * width), self.world_size
                 )
-                flat = memoryview(received)
+                # the views keep ``received`` alive: one receive buffer, no copy per rank
+                flat = memoryview(received).toreadonly()
                 for r, n in enumerate(sizes):
-                    take = min(width, n - offset)
-                    if r == self.rank or take <= 0:
-                        continue
-                    part = parts[r]
-                    if part is None:  # a single round: straight from the gathered buffer
-                        out[r] = bytes(flat[r * width : r * width + take])
-                    else:
+                    if r != self.rank and n:
+                        out[r] = flat[r * width : r * width + n]
+                return out
+            parts = {r: bytearray(n) for r, n in enumerate(sizes) if r != self.rank and n}
+            round_buffer = bytearray(self.world_size * rounds[0][1])  # the widest round: the first
+            for offset, width in rounds:
+                received = _gather_round(gather, group, mine, offset, width, round_buffer, self.world_size)
+                flat = memoryview(received)
+                for r, part in parts.items():
+                    take = min(width, sizes[r] - offset)
+                    if take > 0:
                         part[offset : offset + take] = flat[r * width : r * width + take]
                 del flat, received
-            for r, part in enumerate(parts):
-                if part is not None:
-                    out[r], parts[r] = bytes(part), None
-            out[self.rank] = mine
+            for r, part in parts.items():
+                out[r] = memoryview(part).toreadonly()
             return out
 
         if not rounds:
@@ -272,6 +271,34 @@ class DistComm(Comm):
                     dist.destroy_process_group(group)
                 except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                     log.debug("could not destroy a checkpoint process group: %s", exc)
+
+
+def _gather_round(
+    gather: Callable[..., Any],
+    group: Any,
+    mine: bytes,
+    offset: int,
+    width: int,
+    buffer: bytearray,
+    world_size: int,
+) -> memoryview:
+    """One round of the exchange: every rank's ``width`` bytes from ``offset`` (this rank's
+    sent straight from ``mine``, or zero-padded when it has fewer), received straight into the
+    first ``world_size x width`` bytes of ``buffer``; returns a view of them."""
+    piece = memoryview(mine)[offset : offset + width]
+    if piece.nbytes == width and piece.nbytes:
+        # sent from ``mine`` itself, no copy: the all-gather only reads its input, so torch's
+        # warning about a read-only buffer does not apply
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(piece, dtype=torch.uint8)
+    else:  # this rank's last piece, or a shorter contribution: zero-padded to the width
+        padded = bytearray(width)
+        padded[: piece.nbytes] = piece
+        source = torch.frombuffer(padded, dtype=torch.uint8)
+    view = memoryview(buffer)[: world_size * width]
+    gather(torch.frombuffer(view, dtype=torch.uint8), source, group=group)
+    return view
 
 
 def make_comm(

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .. import layout
+from .._crc import Buffer
 from ..coordination.comm import Comm
 from ..coordination.exchange import read_shared
 from ..errors import ManifestError, SerializationError, TrainingStateError
@@ -364,7 +365,7 @@ def stage(
             raise ManifestError(str(exc), key=manifest.key) from exc
     except Exception as exc:  # noqa: BLE001 - raised below, after the collective when there is one
         failed = exc
-    shared: dict[str, bytes] = {}
+    shared: dict[str, Buffer] = {}
     if exchange:
         assert comm is not None
         # every rank takes part, even one that failed above (so none is left waiting)
@@ -379,8 +380,8 @@ def stage(
         body = shared.pop(receipt.key, None)  # verified already (exchange); freed once decoded
 
         def read_range(start: int, end: int) -> bytes:
-            if body is not None:
-                return body[start:end]
+            if body is not None:  # a footer or header: small, so a copy out of the view is cheap
+                return bytes(memoryview(body)[start:end])
             return reader.store.get(receipt.key, byte_range=(start, end))
 
         def keep(header: dict[str, Any]) -> None:  # the next save indexes it without a request

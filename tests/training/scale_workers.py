@@ -70,6 +70,10 @@ def counting_collectives() -> Iterator[collections.Counter[str]]:
             setattr(dist, name, fn)
 
 
+def _owner(b: Any) -> Any:
+    return b.obj if isinstance(b, memoryview) else b
+
+
 def all_gather_bytes(rank: int, world_size: int, out: str, budget: int) -> None:
     """DistComm.all_gather_bytes of uneven sizes (one rank empty) under ``budget``: every rank's
     bytes and the collectives it took."""
@@ -81,7 +85,17 @@ def all_gather_bytes(rank: int, world_size: int, out: str, budget: int) -> None:
     with counting_collectives() as counts:
         got = comm.all_gather_bytes(mine, sizes, "test")
     comm.close()
-    outcome = {"got": [b.hex() for b in got], "counts": dict(counts), "own_is_mine": got[rank] is mine}
+    # where each other rank's entry lives: the buffer object behind it (a copy is its own object)
+    owners = [
+        None if r == rank or not sizes[r] else [type(b).__name__, id(_owner(b)), len(_owner(b))]
+        for r, b in enumerate(got)
+    ]
+    outcome = {
+        "got": [b.hex() for b in got],
+        "counts": dict(counts),
+        "own_is_mine": got[rank] is mine,
+        "owners": owners,
+    }
     Path(out, f"rank{rank}.json").write_text(json.dumps(outcome))
 
 

@@ -84,7 +84,7 @@ def test_gloo_all_gather_bytes_takes_rounds_of_the_budget_and_no_length_collecti
 ) -> None:
     """4 ranks contributing 0, 50, 7 and 1 bytes: one all-gather under a large budget; under 16
     bytes (4 bytes per rank and round) ceil(50 / 4) = 13 rounds; never a broadcast or a length
-    all-reduce (every rank knows the sizes)."""
+    all-reduce (every rank knows the sizes); and no copy of what was received."""
     codes = run_world(scale_workers.all_gather_bytes, WORLD, str(tmp_path), budget, timeout=200)
     assert codes == [0] * WORLD, codes
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -93,6 +93,18 @@ def test_gloo_all_gather_bytes_takes_rounds_of_the_budget_and_no_length_collecti
     for r in ranks:
         assert sum(r["counts"].values()) == rounds, r["counts"]
         assert set(r["counts"]) <= {"all_gather_single", "all_gather_into_tensor"}, r["counts"]
+    # no copy per rank: other ranks' entries are views into the one receive buffer of the single
+    # round, or (several rounds) into one buffer per rank, allocated once and filled in place
+    for rank, r in enumerate(ranks):
+        others = [o for o in r["owners"] if o is not None]
+        assert all(kind == "memoryview" for kind, _, _ in others), r["owners"]
+        buffers = {ident: size for _, ident, size in others}
+        if rounds == 1:
+            assert list(buffers.values()) == [WORLD * 50], r["owners"]
+        else:
+            assert sorted(buffers.values()) == sorted(
+                n for q, n in enumerate((0, 50, 7, 1)) if n and q != rank
+            )
 
 
 def test_replicated_read_every_is_the_old_behaviour(backend_s3_moto: Backend, tmp_path: Path) -> None:
