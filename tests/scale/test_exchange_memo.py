@@ -5,6 +5,8 @@ counts are those of every rank computing for itself."""
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
 
 from objckpt._crc import crc32c_b64
@@ -50,3 +52,34 @@ def test_memoized_exchange_changes_no_count_of_a_read_once_restore() -> None:
     assert memo.restore.outcome == real.restore.outcome == "restored"
     assert memo.restore.requests == real.restore.requests
     assert memo.restore.bytes_read == real.restore.bytes_read
+
+
+def test_concurrent_first_callers_wait_for_one_computation() -> None:
+    calls: list[int] = []
+    real = getattr(exchange, "crc32c_b64")  # noqa: B009
+
+    def slow(data: bytes) -> str:
+        calls.append(len(data))
+        time.sleep(0.2)  # every other thread arrives while the first computes
+        return str(real(data))
+
+    blob = b"y" * 1024
+    start = threading.Barrier(8)
+    got: list[str] = []
+
+    def rank() -> None:
+        start.wait()
+        got.append(getattr(exchange, "crc32c_b64")(blob))  # noqa: B009
+
+    setattr(exchange, "crc32c_b64", slow)  # noqa: B010
+    try:
+        with charged_exchange(True):
+            threads = [threading.Thread(target=rank) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        setattr(exchange, "crc32c_b64", real)  # noqa: B010
+    assert got == [crc32c_b64(blob)] * 8
+    assert calls == [1024]  # one computation for eight concurrent callers

@@ -35,7 +35,7 @@ __all__ = ["charged_exchange", "charged_parsing"]
 class _Once:
     """One memoized call: the first caller computes, concurrent callers wait for it."""
 
-    def __init__(self, data: bytes, args: tuple[Any, ...]) -> None:
+    def __init__(self, data: Any, args: tuple[Any, ...]) -> None:
         self.data = data
         self.args = args
         self.done = threading.Event()
@@ -109,27 +109,43 @@ class _Memo:
 
     def __init__(self, cap: int = 1 << 17) -> None:
         self.cap = cap
-        self.entries: dict[Any, tuple[Any, Any, float]] = {}
+        self.entries: dict[Any, _Once] = {}
         self.lock = threading.Lock()
 
     def call(self, key: Any, hold: Any, fn: Callable[[], Any]) -> Any:
-        """``fn()``, or the result of an earlier call under ``key`` (``hold``: what keeps the
-        key's ids alive); the caller's timeline is charged the measured CPU either way.
-        Concurrent first callers may each compute (the functions here are cheap and pure)."""
-        hit = self.entries.get(key)
-        if hit is None:
-            t0 = time.thread_time()
-            value = fn()
-            hit = (hold, value, time.thread_time() - t0)
-            with self.lock:
+        """``fn()``, or the result of the call under ``key`` (``hold``: what keeps the key's ids
+        alive); the first caller computes, concurrent ones wait for it (thousands of ranks
+        arrive at once: each computing would be the O(W^2) this avoids); the caller's timeline
+        is charged the measured CPU either way. If the first call raised, each caller calls."""
+        with self.lock:
+            entry = self.entries.get(key)
+            leader = entry is None
+            if entry is None:
                 if len(self.entries) >= self.cap:
                     for old in list(self.entries)[: self.cap // 2]:
                         del self.entries[old]
-                self.entries[key] = hit
+                entry = self.entries[key] = _Once(hold, ())
+        if leader:
+            try:
+                t0 = time.thread_time()
+                entry.value = fn()
+                entry.cpu = time.thread_time() - t0
+                entry.ok = True
+            finally:
+                entry.done.set()
+        elif not entry.done.is_set():
+            with clock.blocked():
+                entry.done.wait()
+        if entry.ok:
+            value, cpu = entry.value, entry.cpu
+        else:  # the first call raised: raise the same, ourselves
+            t0 = time.thread_time()
+            value = fn()
+            cpu = time.thread_time() - t0
         tl = clock.current()
         if tl is not None:
-            tl.advance(hit[2])
-        return hit[1]
+            tl.advance(cpu)
+        return value
 
 
 @contextlib.contextmanager
