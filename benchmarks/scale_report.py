@@ -425,8 +425,9 @@ def render(
         "[the simulator](#the-simulator)), each scenario runs under a time limit and its restore under a "
         "smaller request budget; *after* runs there without `replicated_read_once`: its collective of "
         "every rank needs a thread per rank in the restore (`ScaleOptions.restore_max_threads`), and this "
-        "machine could not start the restore's 16,384 threads after the save (\"can't start new thread\"; "
-        "the collectives themselves no longer wait on a barrier, ~20 s per `agree` at 16,384 threads). "
+        "machine did not carry a 16,384-thread restore through (starting its threads failed twice, and "
+        "where they started it made no progress past rank 0's first requests for minutes; the "
+        "collectives themselves no longer wait on a barrier, ~20 s per `agree` at 16,384 threads). "
         "*Each fix alone* runs at 512 ranks (at 4,096 ranks a read-once restore takes ~3 min here, "
         "its exchange one simulated all-gather).",
         "",
