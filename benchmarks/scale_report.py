@@ -424,9 +424,10 @@ def render(
         f"Above {MAX_THREADS:,} ranks, {MAX_THREADS:,} threads host the ranks (several per thread, see "
         "[the simulator](#the-simulator)), each scenario runs under a time limit and its restore under a "
         "smaller request budget; *after* runs there without `replicated_read_once`: its collective of "
-        "every rank needs a thread per rank in the restore (`ScaleOptions.restore_max_threads`), and at "
-        "16,384 threads one gather (two barrier rounds) takes ~110 s on this machine and `read_shared` "
-        "~90 ms of CPU per rank (~24 min for 16,384 ranks; measured), past the time limit. "
+        "every rank needs a thread per rank in the restore (`ScaleOptions.restore_max_threads`), and this "
+        "machine did not carry a 16,384-thread restore through (starting its threads failed twice, and "
+        "where they started it made no progress past rank 0's first requests for minutes; the "
+        "collectives themselves no longer wait on a barrier, ~20 s per `agree` at 16,384 threads). "
         "*Each fix alone* runs at 512 ranks (at 4,096 ranks a read-once restore takes ~3 min here, "
         "its exchange one simulated all-gather).",
         "",

@@ -20,21 +20,30 @@ SIMULATOR = [
     "`coordination.exchange.read_shared` and `assign` (replicated state read once), `Reader.read_shard` "
     "(CRC32C-verified streams), the store's public methods with its retry policy (tenacity, jitter, "
     "deadline) and `get_stream`'s resume loop, `MemoryStore` holding every byte, the library's "
-    "`ThreadWorld` carrying every gather and broadcast as JSON between threads.",
+    "gathers and broadcasts carrying the sessions' values as JSON between threads (every sender's value "
+    "and every receiver's copy JSON round-tripped).",
     "",
     "**Simulated**: the store's performance (rate limits with 503 SlowDown, latency, bandwidth) and time "
     "itself (a virtual clock per rank); collective costs; what a rank writes and reads (a torch-free "
     "mirror of `CheckpointManager`'s layout: `shard-NN.bin` x 7 + `replicated.bin`; before the fix a "
     "restore reads its own shards and every `replicated.bin`, 8 reads in flight); sizes (`byte_scale`). "
-    "Byte broadcasts (`Comm.broadcast_bytes`, also from `src` != 0) are a rendezvous on the source's "
-    "thread instead of a barrier of every thread; the read-once exchange (`Comm.all_gather_bytes`, one "
-    "collective per restore) is one rendezvous of every thread, every rank getting the same list, its "
-    "cost the gloo transport's rounds (`exchange_rounds` under `EXCHANGE_BUDGET`). Beyond 4,096 ranks, 4 ranks per `ThreadWorld` thread: "
+    "No collective uses the `ThreadWorld` barrier (it wakes every thread through one condition: ~110 s "
+    "per collective at 16,384 threads here): each is one rendezvous where a waiting thread blocks on an "
+    "event of its own that the completing arrival sets (a gather's senders leave once they have sent, "
+    "rank 0 waits for the last; a broadcast's receivers wait for the source; measured: one `agree` in "
+    "~20 s at 16,384 threads); a failing rank or a timeout breaks the world, every waiting rank raising. "
+    "The read-once exchange (`Comm.all_gather_bytes`, one collective per restore) gives every rank the "
+    "same list, its cost the gloo transport's rounds (`exchange_rounds` under `EXCHANGE_BUDGET`). "
+    "Beyond 4,096 ranks, 4 ranks per `ThreadWorld` thread: "
     "the sessions still see N ranks and the coordinator verifies N ranks' receipts, every rank's I/O runs "
     "on its own thread and timeline, but a thread's other ranks contribute its first rank's values to "
     "the handshake and staging verdicts (their own receipts, and listings, to the commit). Every rank "
     "parses the manifest it receives (`Manifest.decode`): the real parse runs once per distinct bytes object and every rank's clock is charged "
-    "its measured CPU (W real parses of a manifest that grows with W are O(W^2) here).",
+    "its measured CPU (W real parses of a manifest that grows with W are O(W^2) here). Likewise in a "
+    "read-once restore's `read_shared`, every rank CRC32C-checks the W shards it received and plans "
+    "(`assign`) from the W receipts: each check and plan runs for real once per distinct object (every "
+    "rank receives the very same gathered objects) and every rank's clock is charged its measured CPU "
+    "(a derived quantity; the counts are the same either way, tested).",
     "",
     "**Virtual clock**: a request costs its latency plus its bytes at the connection's and the host "
     "NIC's bandwidth; a 503 costs its latency and the retry policy's own backoff sleep, which the "
@@ -43,7 +52,7 @@ SIMULATOR = [
     "threads inherit their submitter's clock); no simulated thread sleeps for real (tested). Simulated "
     "threads run one at a time, earliest virtual time first (a baton handed over within a 0.25 s lag), "
     "so requests reach the rate limiter in time order. Charged CPU: the coordinator's `commit` (thread "
-    "CPU minus the in-memory store's) and every manifest parse.",
+    "CPU minus the in-memory store's), every manifest parse, and read-once's CRC32C checks and plan.",
     "",
     "**Real time at thousands of threads**: tenacity builds a `Retrying`, and with it a "
     "`threading.local`, for every request; CPython frees a `threading.local` by walking every live "

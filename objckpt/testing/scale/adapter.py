@@ -183,18 +183,19 @@ class Adapter:
     def _owners(self, replicated: list[ShardReceipt]) -> tuple[dict[str, int], dict[int, int]]:
         """``replicated_read="once"``: the library's own plan (``exchange.assign``) of who reads
         which replicated shard, and the bytes each rank reads of them (cached per manifest)."""
+        # computed under the lock: thousands of ranks arrive at once, and each computing the
+        # plan for itself would be O(W^2) real time
         with self._index_lock:
             hit = self._assigned.get(id(replicated))
             if hit is not None and hit[0] is replicated:
                 return hit[1], hit[2]
-        ordered = sorted({r.key: r for r in replicated}.values(), key=lambda r: r.key)
-        owners = assign(ordered, self.options.world_size)
-        loads: dict[int, int] = {}
-        for r in ordered:
-            loads[owners[r.key]] = loads.get(owners[r.key], 0) + r.size
-        with self._index_lock:
+            ordered = sorted({r.key: r for r in replicated}.values(), key=lambda r: r.key)
+            owners = assign(ordered, self.options.world_size)
+            loads: dict[int, int] = {}
+            for r in ordered:
+                loads[owners[r.key]] = loads.get(owners[r.key], 0) + r.size
             self._assigned = {id(replicated): (replicated, owners, loads)}
-        return owners, loads
+            return owners, loads
 
     def stage(self, world: SimWorld, comm: SimComm, reader: Reader, manifest: Manifest) -> None:
         """Read (and verify) every hosted rank's shards; raise the first failure.

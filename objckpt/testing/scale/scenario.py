@@ -26,6 +26,9 @@ CPU time (``time.thread_time``) of the coordinator's ``commit`` call and of ever
 ``memoize_manifest_decode``: every rank receives the same manifest bytes; with this option the
 real ``Manifest.decode`` runs once per distinct bytes object and every rank after the first gets
 the same result, its virtual clock still charged the measured time (:mod:`.decoding`). Off, every rank parses for real.
+``memoize_exchange``: the same for the CRC32C checks and the plan (``assign``) inside a read-once
+restore's ``read_shared`` (every rank receives the very same gathered shard objects; charged
+either way: :func:`.decoding.charged_exchange`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from ...reader import Reader
 from ...store.pacing import Pacer
 from . import clock
 from .adapter import Adapter, RankIO
-from .decoding import charged_parsing
+from .decoding import charged_exchange, charged_parsing
 from .fixes import FIXES, switches_for
 from .model import NetworkModel, RateModel, StoreProfile
 from .store import (
@@ -86,6 +89,7 @@ class ScaleOptions:
             share threads.
         read_lanes / write_lanes: concurrent transfers of one rank while staging / writing.
         memoize_manifest_decode: see the module doc.
+        memoize_exchange: see the module doc.
         lag: scheduling slack in virtual seconds (see :mod:`.clock`); ``None``: threads run
             free (no ordering of requests by virtual time).
         stop_restore_on_failure: once one rank's staging failed, the others stop issuing reads
@@ -117,6 +121,7 @@ class ScaleOptions:
     read_lanes: int = 8
     write_lanes: int = 1
     memoize_manifest_decode: bool = True
+    memoize_exchange: bool = True
     lag: float | None = 0.25
     stop_restore_on_failure: bool = True
     max_requests: int | None = 6_000_000
@@ -532,6 +537,7 @@ def run_scenario(
             stack.callback(gc.collect)
         baton = stack.enter_context(clock.virtual_time(lag=options.lag))
         stack.enter_context(charged_parsing(options.memoize_manifest_decode))
+        stack.enter_context(charged_exchange(options.memoize_exchange))
         if log is not None and progress_s:
             stack.enter_context(_progress(store, say, progress_s))
         t = 0.0

@@ -1,25 +1,32 @@
-"""N simulated ranks on the library's :class:`~objckpt.coordination.comm.ThreadWorld`, with a
-virtual clock per rank.
+"""N simulated ranks as threads (started by a :class:`~objckpt.coordination.comm.ThreadWorld`),
+with a virtual clock per rank.
 
-:class:`SimComm` is a :class:`~objckpt.coordination.comm.Comm` over a ``ThreadWorld`` rank: every
-collective still crosses the thread world's barriers as JSON (so the sessions run exactly their
-production collectives), and each value is wrapped with the sender's virtual time, so that every
-rank leaves a collective at the time its last participant arrived plus the modelled cost
-(:meth:`NetworkModel.collective_s`). ``broadcast_bytes`` (from rank 0 or, ``src=``, any rank)
-uses a byte path, as the gloo transport does: the source's thread publishes the bytes and the
-others wait for that one thread only, not on the thread world's barrier (a 4,096-thread barrier
-costs ~1 s here); every rank receives the very same ``bytes`` object. ``all_gather_bytes`` (the
-exchange of a restore that reads replicated state once) is one rendezvous of every thread, not
-on the barrier either: each publishes its bytes and its arrival, the last to arrive releases the
-others, and every rank gets the very same list; each leaves at the last arrival plus the cost of
-the gloo transport's rounds (:func:`~objckpt.coordination.comm.exchange_rounds` of the modelled
-sizes under ``defaults.EXCHANGE_BUDGET``: ``collective_s`` of ``W x width`` bytes per round).
+:class:`SimComm` is a :class:`~objckpt.coordination.comm.Comm` whose collectives carry the values
+the production sessions send (``gather`` and ``broadcast`` as JSON, round-tripped as the wire
+does: every sender's value and every receiver's copy is decoded from JSON text; the byte
+collectives as bytes), each wrapped with the sender's virtual time, so that every rank leaves a
+collective at the time its last participant arrived plus the modelled cost
+(:meth:`NetworkModel.collective_s`). None of them uses the ``ThreadWorld`` barrier: each is one
+rendezvous (:meth:`SimWorld._meet`) where a waiting thread blocks on an event of its own and the
+arrival that completes the collective sets them (one wake-up per waiter). A barrier instead wakes
+every thread through one shared condition, which costs ~1 s per collective at 4,096 threads and
+~110 s at 16,384 here (measured); one ``agree`` (a gather and a broadcast) on the rendezvous
+took 19-22 s at 16,384 threads (3 runs, load average 110-160 on 2 cores). A ``gather``'s senders
+leave once they have published (as a real sender does); rank 0 waits for the last. A
+``broadcast`` / ``broadcast_bytes`` receiver waits for the source's thread only: every rank
+receives the very same ``bytes`` object of a byte broadcast. ``all_gather_bytes`` (the exchange
+of a restore that reads replicated state once) waits for every thread, and every rank gets the
+very same list; each leaves at the last arrival plus the cost of the gloo transport's rounds
+(:func:`~objckpt.coordination.comm.exchange_rounds` of the modelled sizes under
+``defaults.EXCHANGE_BUDGET``: ``collective_s`` of ``W x width`` bytes per round). A thread that
+fails, or a wait longer than ``timeout``, breaks the world: every rank waiting in a collective,
+then or later, raises :class:`~objckpt.errors.DistributedError` naming the failure.
 
 **Hosting several ranks per thread** (``threads < world_size``). A ``ThreadWorld`` barrier wakes
-every thread, and on this 2-core machine that costs ~0.2 ms per thread per barrier, growing faster
-than linearly: 4,096 threads take ~1 s per barrier, 16,384 threads ~36 s (measured), which makes
-a 16,384-thread save hours long. So a ``ThreadWorld`` thread may *host* ``world_size / threads``
-consecutive ranks. What stays real: the sessions see ``world_size`` ranks (``comm.rank`` is the
+every thread, and so did each collective here before the rendezvous above (~1 s at 4,096
+threads, ~110 s at 16,384), which made a 16,384-thread save hours long; threads still cost
+memory and scheduling (a save's thousands of requests per thread). So a ``ThreadWorld`` thread
+may *host* ``world_size / threads`` consecutive ranks. What stays real: the sessions see ``world_size`` ranks (``comm.rank`` is the
 hosted group's first rank, ``comm.world_size`` is N); the coordinator receives N reports and
 verifies N ranks' receipts against the store; every hosted rank's I/O is issued through the
 library (``ShardWriter``, ``Reader``) on its own helper thread with its own timeline
@@ -39,7 +46,7 @@ import json
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ...coordination.comm import Comm, ThreadComm, ThreadWorld, exchange_rounds
 from ...defaults import EXCHANGE_BUDGET
@@ -97,8 +104,7 @@ class SimWorld:
         per_host = self.network.ranks_per_host
         self.timelines = [clock.Timeline(start, rank, rank // per_host) for rank in range(world_size)]
         self._pending: dict[int, Any] = {}
-        self._slots: dict[int, _Slot] = {}
-        self._gathers: dict[int, _Gathered] = {}
+        self._meets: dict[int, _Meeting] = {}
         self._broken: str | None = None
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -191,65 +197,77 @@ class SimWorld:
             return {r: self._pending.pop(r) for r in ranks if r in self._pending}
 
     def _break(self, why: str) -> None:
-        """A thread left early: wake every rank waiting for a byte broadcast it may never send."""
+        """A thread left early (or a wait timed out): release every rank waiting in a collective
+        it may never complete; each raises :class:`DistributedError` naming ``why``."""
+        wake: list[threading.Event] = []
         with self._lock:
             if self._broken is None:
                 self._broken = why
-            slots: list[_Slot | _Gathered] = [*self._slots.values(), *self._gathers.values()]
-        for slot in slots:
-            slot.ready.set()
+            for m in self._meets.values():
+                if not m.released:
+                    m.released = True
+                wake += m.waiters
+                m.waiters = []
+        for ev in wake:
+            ev.set()
 
-    def _share(self, seq: int, src: int, rank: int, data: bytes | None, t: float, what: str) -> _Slot:
-        """The ``seq``-th byte collective of every thread, a broadcast: ``src``'s thread
-        publishes, the others wait for it (not for each other: a broadcast needs only its
-        source)."""
-        with self._lock:
-            slot = self._slots.get(seq)
-            if slot is None:
-                slot = self._slots[seq] = _Slot()
-            if self._broken is not None:
-                slot.ready.set()
-        if rank == src:
-            slot.data = bytes(data) if data is not None else None
-            slot.t = t
-            slot.sent = True
-            slot.ready.set()
-        elif not slot.ready.is_set():
-            with clock.blocked():
-                if not slot.ready.wait(self._timeout):
-                    raise DistributedError(f"{what}: rank {src} sent nothing within {self._timeout:g}s")
-        with self._lock:
-            slot.left += 1
-            if slot.left == self.threads:
-                del self._slots[seq]  # every thread has it: free the bytes
-        if not slot.sent:
-            raise DistributedError(f"{what}: rank {src} never sent ({self._broken})")
-        return slot
+    def _meet(
+        self,
+        seq: int,
+        index: int,
+        value: Any,
+        t: float | None,
+        what: str,
+        *,
+        src: int | None,
+        waits: bool,
+    ) -> _Meeting:
+        """The ``seq``-th collective of every thread, one rendezvous without a barrier round.
 
-    def _all_gather(self, seq: int, rank: int, data: bytes, t: float, what: str) -> _Gathered:
-        """The ``seq``-th byte collective of every thread, an all-gather: each publishes its
-        bytes and arrival time; the last to arrive releases the others (one wake-up each, no
-        barrier round); every thread gets the same :class:`_Gathered`."""
+        ``index`` is this thread's slot; ``value`` and ``t`` (arrival time) are published when
+        ``t`` is not ``None``. ``src`` is the thread whose arrival completes the meeting (a
+        broadcast), or ``None``: every thread's (a gather, an all-gather). ``waits``: this
+        thread returns only once the meeting is complete, blocked on an event of its own that
+        the completing arrival sets (one wake-up per waiter; a ``ThreadWorld`` barrier's shared
+        condition costs ~110 s per collective at 16,384 threads here). Threads that do not wait
+        (a gather's senders) leave at once, as a real sender does.
+
+        Raises:
+            DistributedError: the world broke (a thread failed: :meth:`_break`), or this thread
+                waited ``timeout`` seconds (which breaks the world, so no other rank hangs).
+        """
+        ev: threading.Event | None = None
         with self._lock:
-            slot = self._gathers.get(seq)
-            if slot is None:
-                slot = self._gathers[seq] = _Gathered(self.threads)
-            slot.data[rank // self.group] = data
-            slot.t = max(slot.t, t)
-            slot.arrived += 1
-            if slot.arrived == self.threads or self._broken is not None:
-                slot.ready.set()
-        if not slot.ready.is_set():
+            m = self._meets.get(seq)
+            if m is None:
+                m = self._meets[seq] = _Meeting(self.threads)
+            if t is not None:
+                m.values[index] = value
+                m.t = max(m.t, t)
+                m.sent = True
+            m.arrived += 1
+            done = m.arrived == self.threads if src is None else m.sent
+            wake: list[threading.Event] = []
+            if not m.released and (done or self._broken is not None):
+                m.released, m.complete = True, done
+                wake, m.waiters = m.waiters, []
+            if waits and not m.released:
+                ev = threading.Event()
+                m.waiters.append(ev)
+        for w in wake:
+            w.set()
+        if ev is not None:
             with clock.blocked():
-                if not slot.ready.wait(self._timeout):
-                    raise DistributedError(f"{what}: not every rank took part within {self._timeout:g}s")
+                if not ev.wait(self._timeout):
+                    who = "not every rank took part" if src is None else f"rank {src} sent nothing"
+                    self._break(f"{what}: {who} within {self._timeout:g}s")
         with self._lock:
-            slot.left += 1
-            if slot.left == self.threads:
-                del self._gathers[seq]  # every thread has it: the world no longer holds the bytes
-        if slot.arrived < self.threads:
-            raise DistributedError(f"{what}: a rank never took part ({self._broken})")
-        return slot
+            m.left += 1
+            if m.left == self.threads:
+                del self._meets[seq]  # every thread is done with it: free the values
+        if not m.complete and (waits or self._broken is not None):
+            raise DistributedError(f"{what}: the simulated world broke ({self._broken})")
+        return m
 
 
 def _run_daemon(
@@ -283,30 +301,20 @@ def _run_daemon(
     return [results[r] for r in range(world.world_size)]
 
 
-class _Slot:
-    """One byte broadcast in flight (see :meth:`SimWorld._share`)."""
+class _Meeting:
+    """One collective in flight (see :meth:`SimWorld._meet`)."""
 
-    __slots__ = ("data", "left", "ready", "sent", "t")
-
-    def __init__(self) -> None:
-        self.data: bytes | None = None
-        self.t = 0.0
-        self.left = 0
-        self.sent = False
-        self.ready = threading.Event()
-
-
-class _Gathered:
-    """One all-gather of bytes in flight (see :meth:`SimWorld._all_gather`)."""
-
-    __slots__ = ("arrived", "data", "left", "ready", "t")
+    __slots__ = ("arrived", "complete", "left", "released", "sent", "t", "values", "waiters")
 
     def __init__(self, threads: int) -> None:
-        self.data: list[bytes] = [b""] * threads
+        self.values: list[Any] = [None] * threads
         self.t = -math.inf
         self.arrived = 0
         self.left = 0
-        self.ready = threading.Event()
+        self.sent = False
+        self.released = False
+        self.complete = False
+        self.waiters: list[threading.Event] = []
 
 
 class SimComm(Comm):
@@ -327,44 +335,61 @@ class SimComm(Comm):
     def _arrived(self) -> float:
         return max(tl.now for tl in self._hosted)
 
+    def _next(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
     def gather(self, obj: Any, what: str, *, handshake: bool = False) -> list[Any] | None:
+        """Every hosted rank's ``obj``, JSON round-tripped as the wire does, on rank 0 (one
+        :meth:`SimWorld._meet`: the senders leave at once, rank 0 waits for the last)."""
         hosted = self.world.hosted(self)
         pending = self.world._take_pending(hosted) if self.world.group > 1 else {}
         values = [obj if r == self.rank else pending.get(r, obj) for r in hosted]
-        nbytes = len(json.dumps(values, separators=(",", ":")))
-        with clock.blocked():
-            got = self.inner.gather(
-                {"t": self._arrived(), "v": values, "n": nbytes}, what, handshake=handshake
-            )
+        text = json.dumps(values, separators=(",", ":"))
+        arrived = self._arrived()
+        index = self.inner.rank
+        m = self.world._meet(
+            self._next(), index, (json.loads(text), len(text)), arrived, what, src=None, waits=index == 0
+        )
         net = self.world.network
         if self.rank != 0:
             for tl in self._hosted:
                 tl.advance(net.collective_latency_s)  # sent; the root gathers
             return None
-        assert got is not None
-        t = max(g["t"] for g in got) + net.collective_s(self.world_size, sum(g["n"] for g in got))
+        t = m.t + net.collective_s(self.world_size, sum(n for _, n in m.values))
         for tl in self._hosted:
             tl.advance_to(t)
-        return [v for g in got for v in g["v"]]
+        return [v for got, _ in m.values for v in got]
 
     def broadcast(self, obj: Any, what: str, *, handshake: bool = False) -> Any:
         return self._broadcast(obj, what, handshake=handshake, nbytes=None)
 
     def _broadcast(self, obj: Any, what: str, *, handshake: bool, nbytes: int | None) -> Any:
-        payload = None
-        if self.rank == 0:
-            n = nbytes if nbytes is not None else len(json.dumps(obj, separators=(",", ":")))
-            payload = {"t": self._arrived(), "v": obj, "n": n}
-        with clock.blocked():
-            got = self.inner.broadcast(payload, what, handshake=handshake)
-        t = got["t"] + self.world.network.collective_s(self.world_size, got["n"])
+        """Rank 0's ``obj`` on every rank: rank 0 encodes it once, every other rank decodes its
+        own copy (a JSON round trip each, as the wire does; no rank shares another's object)."""
+        root = self.rank == 0
+        text = json.dumps(obj, separators=(",", ":")) if root else None
+        n = (nbytes if nbytes is not None else len(text)) if text is not None else 0
+        m = self.world._meet(
+            self._next(),
+            self.inner.rank,
+            (text, n),
+            self._arrived() if root else None,
+            what,
+            src=0,
+            waits=not root,
+        )
+        text, n = m.values[0]
+        t = m.t + self.world.network.collective_s(self.world_size, n)
         for tl in self._hosted:
             tl.advance_to(t)
-        return got["v"]
+        return json.loads(text)
 
     def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
-        """Rank ``src``'s bytes on every rank, the very same object (see :meth:`SimWorld._share`);
-        each rank leaves at ``src``'s arrival plus the collective's modelled cost."""
+        """Rank ``src``'s bytes on every rank, the very same object (the others wait for that
+        one thread only: :meth:`SimWorld._meet`); each rank leaves at ``src``'s arrival (or its
+        own, if later) plus the collective's modelled cost."""
         if not 0 <= src < self.world_size:
             raise DistributedError(f"{what}: no rank {src} in a world of {self.world_size}")
         if src % self.world.group:
@@ -372,39 +397,48 @@ class SimComm(Comm):
                 f"{what}: rank {src} is hosted on rank {src - src % self.world.group}'s thread and takes "
                 "no part in collectives of its own (run with one thread per rank)"
             )
-        seq = self._seq
-        self._seq += 1
         shards = getattr(_payloads, "on", False)
-        slot = self.world._share(seq, src, self.rank, data, self._arrived(), what)
-        if slot.data is None:
+        source = src // self.world.group
+        mine = self.inner.rank == source
+        sent = (bytes(data) if data is not None else None) if mine else None
+        m = self.world._meet(
+            self._next(),
+            self.inner.rank,
+            sent,
+            self._arrived() if mine else None,
+            what,
+            src=source,
+            waits=not mine,
+        )
+        got = m.values[source]
+        if got is None:
             raise DistributedError(f"{what}: rank {src} sent no bytes")
         net = self.world.network
-        n = len(slot.data) * (net.byte_scale if shards else 1)
+        n = len(got) * (net.byte_scale if shards else 1)
         # a receiver takes part from its own arrival: W broadcasts in a row cost W x the cost
-        t = max(slot.t, self._arrived()) + net.collective_s(self.world_size, round(n))
+        t = max(m.t, self._arrived()) + net.collective_s(self.world_size, round(n))
         for tl in self._hosted:
             tl.advance_to(t)
-        return slot.data
+        return cast("bytes", got)
 
     def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
-        """Every rank's bytes, the very same list on every rank (see :meth:`SimWorld._all_gather`);
-        each rank leaves at the last arrival plus the modelled cost of the gloo transport's
-        rounds over the modelled (``byte_scale``d, for shard payloads) sizes."""
+        """Every rank's bytes, the very same list on every rank (one :meth:`SimWorld._meet`, the
+        last arrival releases the others); each rank leaves at the last arrival plus the modelled
+        cost of the gloo transport's rounds over the modelled (``byte_scale``d, for shard
+        payloads) sizes."""
         if self.world.group > 1:
             raise DistributedError(
                 f"{what}: ranks share threads here ({self.world.group} per thread), and hosted ranks "
                 "take no part in collectives of their own (run with one thread per rank)"
             )
-        seq = self._seq
-        self._seq += 1
-        slot = self.world._all_gather(seq, self.rank, mine, self._arrived(), what)
+        m = self.world._meet(self._next(), self.rank, mine, self._arrived(), what, src=None, waits=True)
         net = self.world.network
         scale = net.byte_scale if getattr(_payloads, "on", False) else 1
         rounds = exchange_rounds([round(n * scale) for n in sizes], EXCHANGE_BUDGET)
-        t = slot.t + sum(net.collective_s(self.world_size, self.world_size * width) for _, width in rounds)
+        t = m.t + sum(net.collective_s(self.world_size, self.world_size * width) for _, width in rounds)
         for tl in self._hosted:
             tl.advance_to(t)
-        return slot.data
+        return cast("list[bytes]", m.values)
 
     def background(self) -> Comm:
         return self
