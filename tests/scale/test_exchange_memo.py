@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
+from typing import Any
 
 from objckpt._crc import crc32c_b64
 from objckpt.coordination import exchange
@@ -83,3 +84,26 @@ def test_concurrent_first_callers_wait_for_one_computation() -> None:
         setattr(exchange, "crc32c_b64", real)  # noqa: B010
     assert got == [crc32c_b64(blob)] * 8
     assert calls == [1024]  # one computation for eight concurrent callers
+
+
+def test_a_read_once_restore_checks_each_received_shard_once_with_the_memo(monkeypatch: Any) -> None:
+    """read_shared checks the views it slices from each received blob (not copies): the memo must
+    still see one computation per source blob, not one per receiving rank."""
+    calls: list[int] = []
+    real_crc = getattr(exchange, "crc32c_b64")  # noqa: B009 - not exported
+
+    def counting(data: Any) -> str:
+        calls.append(memoryview(data).nbytes)
+        return str(real_crc(data))
+
+    monkeypatch.setattr(exchange, "crc32c_b64", counting)
+    world = 16
+    options = ScaleOptions(
+        world_size=world, shard_bytes=512, replicated_bytes=64 * 1024, saves=1, replicated_read_once=True
+    )
+    assert run_scenario(options).restore.outcome == "restored"  # type: ignore[union-attr]
+    memoized = len(calls)
+    calls.clear()
+    assert run_scenario(replace(options, memoize_exchange=False)).restore.outcome == "restored"  # type: ignore[union-attr]
+    assert len(calls) == world * (world - 1)  # every rank checks every other rank's shard
+    assert memoized == world  # one check per source blob

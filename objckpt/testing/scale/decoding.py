@@ -148,6 +148,13 @@ class _Memo:
         return value
 
 
+def _views_whole(view: memoryview) -> bool:
+    """Is ``view`` all of the bytes object it views? (A contiguous view of as many bytes as the
+    object holds starts at its first.)"""
+    obj = view.obj
+    return isinstance(obj, bytes) and view.nbytes == len(obj) and view.contiguous
+
+
 @contextlib.contextmanager
 def charged_exchange(memoize: bool) -> Iterator[None]:
     """For the block, in :func:`~objckpt.coordination.exchange.read_shared`: its CRC32C check
@@ -166,18 +173,6 @@ def charged_exchange(memoize: bool) -> Iterator[None]:
     original_assign = exchange.assign
     crcs, plans = _Memo(), _Memo(cap=8)
 
-    def crc(data: Any) -> str:
-        if not isinstance(data, bytes):
-            return original_crc(data)
-        return cast("str", crcs.call(id(data), data, lambda: original_crc(data)))
-
-    def assign(receipts: Any, world_size: int) -> dict[str, int]:
-        held = tuple(receipts)
-        return cast(
-            "dict[str, int]",
-            plans.call((tuple(map(id, held)), world_size), held, lambda: original_assign(held, world_size)),
-        )
-
     def charged(fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
             t0 = time.thread_time()
@@ -188,6 +183,23 @@ def charged_exchange(memoize: bool) -> Iterator[None]:
             return value
 
         return call
+
+    charged_crc = charged(original_crc)
+
+    def crc(data: Any) -> str:
+        # read_shared checks views (no copies): a view of a whole bytes object (one shard a
+        # source, the usual case) is that object's check; any other part is checked for real
+        whole = data.obj if isinstance(data, memoryview) and _views_whole(data) else data
+        if not isinstance(whole, bytes):
+            return cast("str", charged_crc(data))
+        return cast("str", crcs.call(id(whole), whole, lambda: original_crc(whole)))
+
+    def assign(receipts: Any, world_size: int) -> dict[str, int]:
+        held = tuple(receipts)
+        return cast(
+            "dict[str, int]",
+            plans.call((tuple(map(id, held)), world_size), held, lambda: original_assign(held, world_size)),
+        )
 
     setattr(exchange, "crc32c_b64", crc if memoize else charged(original_crc))  # noqa: B010
     exchange.assign = assign if memoize else charged(original_assign)
