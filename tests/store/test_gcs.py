@@ -43,6 +43,7 @@ from objckpt.errors import (  # noqa: E402
 )
 from objckpt.store import PrefixStore, PutMode, open_store  # noqa: E402
 from objckpt.store.gcs import MAX_COMPONENTS, GCSStore  # noqa: E402
+from tests.store._locks import SeenLock
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff=0.001, max_backoff=0.005)
 ONCE = RetryPolicy(max_attempts=1)
@@ -761,21 +762,7 @@ def test_concurrent_first_404s_probe_the_bucket_once():
     store, bucket = _probed_store([True])
     tried = threading.Event()
 
-    class _SeenLock:
-        """The store's lock, telling when a second thread is waiting for it."""
-
-        def __init__(self) -> None:
-            self._lock = threading.Lock()
-
-        def __enter__(self) -> None:
-            if not self._lock.acquire(blocking=False):
-                tried.set()
-                self._lock.acquire()
-
-        def __exit__(self, *exc: object) -> None:
-            self._lock.release()
-
-    store._bucket_lock = _SeenLock()  # type: ignore[assignment]
+    store._bucket_lock = SeenLock(tried)  # type: ignore[assignment]
     results: list[bool] = []
 
     def second() -> None:

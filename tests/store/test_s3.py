@@ -39,6 +39,7 @@ from objckpt.store import PrefixStore, PutMode, open_store  # noqa: E402
 from objckpt.store.s3 import S3Store, map_s3_error, multipart_etag  # noqa: E402
 from tests.backends import GAP_PART_CHECKSUM  # noqa: E402
 from tests.conftest import expect_gap  # noqa: E402
+from tests.store._locks import SeenLock
 
 MiB = 1024 * 1024
 PART = 5 * MiB
@@ -768,21 +769,7 @@ def test_concurrent_first_404s_make_one_head_bucket():
 
     store = S3Store("bkt", client=_Client(), retry=ONE_TRY)
 
-    class _SeenLock:
-        """The store's lock, telling when a second thread is waiting for it."""
-
-        def __init__(self) -> None:
-            self._lock = threading.Lock()
-
-        def __enter__(self) -> None:
-            if not self._lock.acquire(blocking=False):
-                tried.set()
-                self._lock.acquire()
-
-        def __exit__(self, *exc: object) -> None:
-            self._lock.release()
-
-    store._bucket_lock = _SeenLock()  # type: ignore[assignment]
+    store._bucket_lock = SeenLock(tried)  # type: ignore[assignment]
     missing = NotFoundError("no such key", key="k", location=store.location)
     other.append(threading.Thread(target=store._check_bucket, args=("k", missing)))
     store._check_bucket("k", missing)
