@@ -478,7 +478,7 @@ class SaveSession:
                 try:
                     listings[rank] = [listed_entry(d) for d in rep["listing"]]
                 except (KeyError, TypeError, ValueError) as exc:
-                    receipts[rank] = f"sent an invalid listing of its prefix: {exc}"
+                    receipts[rank] = f"sent an invalid listing of its verification slice: {exc}"
         try:
             if self._coordinator is None or self._coordinator.world_size != len(reports):
                 # once per world size: construction checks (and warns about) the store
