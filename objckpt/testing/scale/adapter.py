@@ -40,7 +40,7 @@ from .fixes import Switches
 from .world import shard_payloads
 
 if TYPE_CHECKING:
-    from ...coordination.save import SaveSession, SaveTicket
+    from ...coordination.save import SaveTicket
     from .scenario import ScaleOptions
     from .world import SimComm, SimWorld
 
@@ -94,9 +94,7 @@ class Adapter:
         seed = f"{step}:{rank}:{name}|".encode()
         return (seed * (size // len(seed) + 1))[:size]
 
-    def write(
-        self, world: SimWorld, comm: SimComm, store: Store, ticket: SaveTicket, session: SaveSession
-    ) -> None:
+    def write(self, world: SimWorld, comm: SimComm, store: Store, ticket: SaveTicket) -> None:
         """Write every hosted rank's shards; the first rank's through the session's ticket, the
         others' through their own ``ShardWriter`` (registered as their gather reports)."""
 

@@ -224,9 +224,7 @@ def _save(
         session.world = world
         try:
             with clock.phase("save"):
-                manifest = session.save(
-                    step, lambda ticket: adapter.write(world, comm, store, ticket, session)
-                )
+                manifest = session.save(step, lambda ticket: adapter.write(world, comm, store, ticket))
             return manifest.step
         finally:
             with lock:
