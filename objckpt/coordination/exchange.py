@@ -4,7 +4,7 @@ job, not once per rank").
 
 :func:`read_shared` is a collective: every rank calls it with the same receipts (they come from
 the manifest every rank received from rank 0), and every rank returns the verified bytes of all
-of them. Who reads what is decided by :func:`assign` from the receipts alone (size-balanced
+of them. Who reads what is decided by :func:`plan_shared` (:func:`assign`) from the receipts alone (size-balanced
 round robin: largest shard first, each to the rank with the fewest bytes so far, ties to the
 lowest rank), so every rank computes the same plan without a message. Then:
 
@@ -21,7 +21,7 @@ lowest rank), so every rank computes the same plan without a message. Then:
    of shards (over gloo: one all-gather per round of at most ``defaults.EXCHANGE_BUDGET`` padded
    bytes, ``ceil(W x largest contribution / budget)`` rounds; it was two broadcasts per shard).
    Every receiving rank splits each contribution by the receipts and checks each shard's size
-   and CRC32C against its receipt before anything uses it. Bytes that arrive different from what
+   and CRC32C against its receipt before anything uses it (:func:`check_received`). Bytes that arrive different from what
    the manifest says are a :class:`DistributedError` (the transport, not the checkpoint, is at
    fault: no fallback), raised after the exchange so no rank leaves a collective behind.
 
@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .._crc import Buffer, crc32c_b64
@@ -41,7 +42,7 @@ from ..manifest import ShardReceipt
 from ..reader import Reader
 from .comm import Comm, agree
 
-__all__ = ["assign", "read_shared"]
+__all__ = ["SharedPlan", "assign", "check_received", "plan_shared", "read_shared"]
 
 
 def assign(receipts: Sequence[ShardReceipt], world_size: int) -> dict[str, int]:
@@ -87,16 +88,13 @@ def read_shared(
         DistributedError: a rank did not take part in time; or (on the receiving rank only,
             after the exchange) bytes received differ from the receipts' sizes or CRC32C.
     """
-    unique = {r.key: r for r in receipts}
-    ordered = sorted(unique.values(), key=lambda r: r.key)
-    owners = assign(ordered, comm.world_size)
+    plan = plan_shared(receipts, comm.world_size)
     read: dict[str, bytes] = {}  # this rank's own downloads
-    verdict: dict[str, Any] = {"plan": _digest(ordered)}
-    for r in ordered:
+    verdict: dict[str, Any] = {"plan": plan.digest}
+    mine = plan.owned[comm.rank]
+    for r in mine:
         if error is not None:
             break
-        if owners[r.key] != comm.rank:
-            continue
         try:
             read[r.key] = reader.read_shard(r)
         except Exception as exc:  # noqa: BLE001 - classified by the one damage rule, agreed below
@@ -104,43 +102,87 @@ def read_shared(
     if error is not None:
         verdict["damaged" if is_damage(error) else "fatal"] = encode_error(error)
     agree(comm, verdict, _decide_reads, f"{what}: reading the shared shards")
-    # every rank knows every contribution from the plan: the owner's shards in key order
-    owned: list[list[ShardReceipt]] = [[] for _ in range(comm.world_size)]
-    for r in ordered:
-        owned[owners[r.key]].append(r)
-    sizes = [sum(r.size for r in rs) for rs in owned]
-    mine = owned[comm.rank]
     # one shard (the usual case at scale, W shards on W ranks) is sent as is, without a copy
     contribution = read[mine[0].key] if len(mine) == 1 else b"".join(read[r.key] for r in mine)
-    got: dict[str, Buffer] = dict(read)
-    del read
-    blobs = comm.all_gather_bytes(contribution, sizes, f"{what}: the shared shards")
+    blobs = comm.all_gather_bytes(contribution, plan.sizes, f"{what}: the shared shards")
     del contribution
-    corrupt: list[str] = []
-    for src, receipts_of in enumerate(owned):
-        if src == comm.rank or not receipts_of:
-            continue
-        blob = blobs[src]
-        if memoryview(blob).nbytes != sizes[src]:
-            corrupt.append(f"{memoryview(blob).nbytes} bytes from rank {src}, {sizes[src]} expected")
-            continue
-        offset = 0
-        for r in receipts_of:
-            # no copy: a view into the receive buffer (a whole-bytes slice is that object)
-            data = memoryview(blob)[offset : offset + r.size]
-            offset += r.size
-            crc = crc32c_b64(data)
-            if crc != r.crc32c:
-                corrupt.append(f"{r.key} from rank {src}: {len(data)} bytes, CRC32C {crc}")
-                continue
-            got[r.key] = data
+    got, corrupt = check_received(blobs, plan, skip=comm.rank)
     del blobs
+    got.update(read)
+    del read
     if corrupt:
         raise DistributedError(
             f"{what}: rank {comm.rank} received shard bytes that differ from the manifest's receipts "
-            f"(the process group corrupted them; the stored checkpoint is not at fault): {'; '.join(corrupt)}"
+            f"(the process group corrupted them; the stored checkpoint is not at fault): "
+            + "; ".join(message for _, message in corrupt)
         )
     return got
+
+
+@dataclass(frozen=True)
+class SharedPlan:
+    """Who reads which shared shard, and what each rank's contribution to the exchange holds:
+    the same on every rank, computed from the receipts alone (:func:`plan_shared`)."""
+
+    #: the unique receipts, in key order
+    ordered: tuple[ShardReceipt, ...]
+    #: ``key -> rank`` that reads it (:func:`assign`)
+    owners: Mapping[str, int]
+    #: per rank, the receipts it reads, in key order: its contribution's layout
+    owned: tuple[tuple[ShardReceipt, ...], ...]
+    #: per rank, its contribution's size in bytes
+    sizes: tuple[int, ...]
+    #: what the ranks compare to know they planned the same shards
+    digest: str
+
+
+def plan_shared(receipts: Sequence[ShardReceipt], world_size: int) -> SharedPlan:
+    """The plan of :func:`read_shared` for ``receipts`` (duplicates by key count once) on
+    ``world_size`` ranks. Pure and deterministic: every rank computes the same plan without a
+    message. Raises ValueError for ``world_size < 1``."""
+    ordered = tuple(sorted({r.key: r for r in receipts}.values(), key=lambda r: r.key))
+    owners = assign(ordered, world_size)
+    owned: list[list[ShardReceipt]] = [[] for _ in range(world_size)]
+    for r in ordered:
+        owned[owners[r.key]].append(r)
+    return SharedPlan(
+        ordered=ordered,
+        owners=owners,
+        owned=tuple(tuple(rs) for rs in owned),
+        sizes=tuple(sum(r.size for r in rs) for rs in owned),
+        digest=_digest(ordered),
+    )
+
+
+def check_received(
+    blobs: Sequence[Buffer], plan: SharedPlan, *, skip: int | None = None
+) -> tuple[dict[str, Buffer], list[tuple[int, str]]]:
+    """Split every rank's contribution (``blobs[rank]``, laid out as ``plan.owned[rank]``) into
+    its shards and check each one's size and CRC32C against its receipt; ``skip``: the rank whose
+    contribution is not checked (the caller's own, read and verified from the store).
+
+    Returns the verified shards by key (read-only views into ``blobs``, never copies) and, per
+    failure, ``(source rank, message)``; a shard that fails is left out. Raises nothing itself."""
+    verified: dict[str, Buffer] = {}
+    corrupt: list[tuple[int, str]] = []
+    for src, receipts_of in enumerate(plan.owned):
+        if src == skip or not receipts_of:
+            continue
+        blob = memoryview(blobs[src])
+        if blob.nbytes != plan.sizes[src]:
+            corrupt.append((src, f"{blob.nbytes} bytes from rank {src}, {plan.sizes[src]} expected"))
+            continue
+        offset = 0
+        for r in receipts_of:
+            # no copy: a view into the receive buffer
+            data = blob[offset : offset + r.size]
+            offset += r.size
+            crc = crc32c_b64(data)
+            if crc != r.crc32c:
+                corrupt.append((src, f"{r.key} from rank {src}: {len(data)} bytes, CRC32C {crc}"))
+                continue
+            verified[r.key] = data
+    return verified, corrupt
 
 
 def _digest(receipts: Sequence[ShardReceipt]) -> str:

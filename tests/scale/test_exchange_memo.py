@@ -1,7 +1,8 @@
-"""``charged_exchange``: inside a read-once restore's ``read_shared`` the CRC32C check of each
-received shard and the ``assign`` plan run once per distinct input object (every rank receives
-the very same gathered objects), each caller's clock charged the measured CPU; the restore's
-counts are those of every rank computing for itself."""
+"""``charged_exchange``: inside a read-once restore's ``read_shared`` the plan
+(``plan_shared``) and the check of what was received (``check_received``) run once per distinct
+input object (every rank plans from the same receipts object and receives the very same gathered
+objects), each caller's clock charged the measured CPU; the restore's counts are those of every
+rank computing for itself."""
 
 from __future__ import annotations
 
@@ -12,35 +13,70 @@ from typing import Any
 
 from objckpt._crc import crc32c_b64
 from objckpt.coordination import exchange
+from objckpt.manifest import ShardReceipt
 from objckpt.testing.scale import ScaleOptions, clock, run_scenario
 from objckpt.testing.scale.decoding import charged_exchange
 
 
-def test_each_distinct_object_is_computed_once_and_every_caller_is_charged() -> None:
-    calls: list[int] = []
-    real = exchange.assign
+def _receipts(world: int, size: int = 64) -> tuple[list[ShardReceipt], list[bytes]]:
+    blobs = [bytes([r]) * size for r in range(world)]
+    receipts = [
+        ShardReceipt(
+            key=f"data/1-0/{r:05d}/replicated.bin",
+            size=size,
+            version="v",
+            crc32c=crc32c_b64(blobs[r]),
+            rank=r,
+            name="replicated.bin",
+        )
+        for r in range(world)
+    ]
+    return receipts, blobs
 
-    def counting(receipts: object, world_size: int) -> dict[str, int]:
-        calls.append(world_size)
-        return real(receipts, world_size)  # type: ignore[arg-type]
 
-    blob = b"x" * 4096
-    exchange.assign = counting
-    try:
-        with charged_exchange(True):
-            tls = [clock.Timeline(0.0, r, 0) for r in range(3)]
-            crcs = []
-            for tl in tls:
-                with clock.acting_as(tl):
-                    crcs.append(getattr(exchange, "crc32c_b64")(blob))  # noqa: B009
-                    exchange.assign([], 4)
-            assert getattr(exchange, "crc32c_b64")(bytes(blob)) == crc32c_b64(blob)  # noqa: B009
-    finally:
-        exchange.assign = real
-    assert crcs == [crc32c_b64(blob)] * 3
-    assert calls == [4]  # one plan for three ranks
-    assert all(tl.now > 0.0 for tl in tls) and len({tl.now for tl in tls}) == 1  # the same CPU each
-    assert getattr(exchange, "crc32c_b64") is crc32c_b64  # noqa: B009 - restored
+def _counting(monkeypatch: Any, name: str) -> list[Any]:
+    calls: list[Any] = []
+    real = getattr(exchange, name)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1:])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exchange, name, counting)
+    return calls
+
+
+def test_each_distinct_object_is_planned_and_checked_once_and_every_caller_is_charged(
+    monkeypatch: Any,
+) -> None:
+    plans = _counting(monkeypatch, "plan_shared")
+    checks = _counting(monkeypatch, "check_received")
+    receipts, blobs = _receipts(4)
+    with charged_exchange(True):
+        tls = [clock.Timeline(0.0, r, 0) for r in range(4)]
+        got = []
+        for rank, tl in enumerate(tls):
+            with clock.acting_as(tl):
+                plan = exchange.plan_shared(receipts, 4)
+                got.append(exchange.check_received(blobs, plan, skip=rank))
+    assert exchange.plan_shared.__name__ == "counting"  # restored to what it was
+    assert len(plans) == 1 and len(checks) == 1  # one plan, one check, for four ranks
+    for rank, (verified, corrupt) in enumerate(got):
+        assert corrupt == []
+        # the caller's own shard is not in what it was given, every other one is, as a view
+        assert sorted(verified) == sorted(r.key for r in receipts if r.rank != rank)
+        assert all(bytes(verified[r.key]) == blobs[r.rank] for r in receipts if r.rank != rank)
+    assert all(tl.now > 0.0 for tl in tls)
+
+
+def test_a_corrupt_source_is_reported_to_every_rank_but_its_own(monkeypatch: Any) -> None:
+    receipts, blobs = _receipts(3)
+    blobs[1] = b"\xff" + blobs[1][1:]
+    with charged_exchange(True):
+        plan = exchange.plan_shared(receipts, 3)
+        outcomes = [exchange.check_received(blobs, plan, skip=rank) for rank in range(3)]
+    assert [[src for src, _ in corrupt] for _, corrupt in outcomes] == [[1], [], [1]]
+    assert all(receipts[1].key not in verified for verified, _ in outcomes)
 
 
 def test_memoized_exchange_changes_no_count_of_a_read_once_restore() -> None:
@@ -55,55 +91,46 @@ def test_memoized_exchange_changes_no_count_of_a_read_once_restore() -> None:
     assert memo.restore.bytes_read == real.restore.bytes_read
 
 
-def test_concurrent_first_callers_wait_for_one_computation() -> None:
+def test_concurrent_first_callers_wait_for_one_computation(monkeypatch: Any) -> None:
     calls: list[int] = []
-    real = getattr(exchange, "crc32c_b64")  # noqa: B009
+    real = exchange.plan_shared
 
-    def slow(data: bytes) -> str:
-        calls.append(len(data))
+    def slow(receipts: Any, world_size: int) -> exchange.SharedPlan:
+        calls.append(world_size)
         time.sleep(0.2)  # every other thread arrives while the first computes
-        return str(real(data))
+        return real(receipts, world_size)
 
-    blob = b"y" * 1024
+    monkeypatch.setattr(exchange, "plan_shared", slow)
+    receipts, _ = _receipts(8)
     start = threading.Barrier(8)
-    got: list[str] = []
+    got: list[exchange.SharedPlan] = []
 
     def rank() -> None:
         start.wait()
-        got.append(getattr(exchange, "crc32c_b64")(blob))  # noqa: B009
+        got.append(exchange.plan_shared(receipts, 8))
 
-    setattr(exchange, "crc32c_b64", slow)  # noqa: B010
-    try:
-        with charged_exchange(True):
-            threads = [threading.Thread(target=rank) for _ in range(8)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-    finally:
-        setattr(exchange, "crc32c_b64", real)  # noqa: B010
-    assert got == [crc32c_b64(blob)] * 8
-    assert calls == [1024]  # one computation for eight concurrent callers
+    with charged_exchange(True):
+        threads = [threading.Thread(target=rank) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(got) == 8 and all(p is got[0] for p in got)
+    assert calls == [8]  # one computation for eight concurrent callers
 
 
-def test_a_read_once_restore_checks_each_received_shard_once_with_the_memo(monkeypatch: Any) -> None:
-    """read_shared checks the views it slices from each received blob (not copies): the memo must
-    still see one computation per source blob, not one per receiving rank."""
-    calls: list[int] = []
-    real_crc = getattr(exchange, "crc32c_b64")  # noqa: B009 - not exported
-
-    def counting(data: Any) -> str:
-        calls.append(memoryview(data).nbytes)
-        return str(real_crc(data))
-
-    monkeypatch.setattr(exchange, "crc32c_b64", counting)
+def test_a_read_once_restore_plans_and_checks_once_with_the_memo(monkeypatch: Any) -> None:
+    """Each of the W ranks plans and checks for itself without the memo; with it, one plan and
+    one check of the one gathered list."""
+    plans = _counting(monkeypatch, "plan_shared")
+    checks = _counting(monkeypatch, "check_received")
     world = 16
     options = ScaleOptions(
         world_size=world, shard_bytes=512, replicated_bytes=64 * 1024, saves=1, replicated_read_once=True
     )
     assert run_scenario(options).restore.outcome == "restored"  # type: ignore[union-attr]
-    memoized = len(calls)
-    calls.clear()
+    assert (len(plans), len(checks)) == (1, 1)
+    plans.clear()
+    checks.clear()
     assert run_scenario(replace(options, memoize_exchange=False)).restore.outcome == "restored"  # type: ignore[union-attr]
-    assert len(calls) == world * (world - 1)  # every rank checks every other rank's shard
-    assert memoized == world  # one check per source blob
+    assert (len(plans), len(checks)) == (world, world)  # every rank plans and checks for itself

@@ -80,7 +80,7 @@ class Adapter:
         self._index: dict[int, tuple[Manifest, dict[int, list[ShardReceipt]], list[ShardReceipt]]] = {}
         self._index_lock = threading.Lock()
         self._sizes: dict[int, tuple[list[ShardReceipt], int]] = {}
-        self._assigned: dict[int, tuple[list[ShardReceipt], dict[str, int], dict[int, int]]] = {}
+        self._assigned: dict[int, tuple[list[ShardReceipt], dict[int, int], dict[int, int]]] = {}
 
     def reset(self) -> RankIO:
         old, self.io = self.io, RankIO()
@@ -178,9 +178,10 @@ class Adapter:
                 hit = self._sizes[id(receipts)] = (receipts, sum(r.size for r in receipts))
             return hit[1]
 
-    def _owners(self, replicated: list[ShardReceipt]) -> tuple[dict[str, int], dict[int, int]]:
-        """``replicated_read="once"``: the library's own plan (``exchange.assign``) of who reads
-        which replicated shard, and the bytes each rank reads of them (cached per manifest)."""
+    def _shares(self, replicated: list[ShardReceipt]) -> tuple[dict[int, int], dict[int, int]]:
+        """``replicated_read="once"``: from the library's own plan (``exchange.assign``) of who
+        reads which replicated shard, the bytes and the shards each rank reads of them (cached per
+        manifest)."""
         # computed under the lock: thousands of ranks arrive at once, and each computing the
         # plan for itself would be O(W^2) real time
         with self._index_lock:
@@ -190,10 +191,12 @@ class Adapter:
             ordered = sorted({r.key: r for r in replicated}.values(), key=lambda r: r.key)
             owners = assign(ordered, self.options.world_size)
             loads: dict[int, int] = {}
+            counts: dict[int, int] = {}
             for r in ordered:
                 loads[owners[r.key]] = loads.get(owners[r.key], 0) + r.size
-            self._assigned = {id(replicated): (replicated, owners, loads)}
-            return owners, loads
+                counts[owners[r.key]] = counts.get(owners[r.key], 0) + 1
+            self._assigned = {id(replicated): (replicated, loads, counts)}
+            return loads, counts
 
     def stage(self, world: SimWorld, comm: SimComm, reader: Reader, manifest: Manifest) -> None:
         """Read (and verify) every hosted rank's shards; raise the first failure.
@@ -239,14 +242,16 @@ class Adapter:
 
     def _read_once(self, comm: SimComm, reader: Reader, manifest: Manifest, rank: int) -> None:
         own, replicated = self.plan(manifest, rank)
-        owners, loads = self._owners(replicated)
+        loads, counts = self._shares(replicated)
         mine = loads.get(rank, 0)
         with self.io.lock:
             self.io.planned_bytes[rank] = sum(r.size for r in own) + mine
-            self.io.planned_reads[rank] = len(own) + sum(1 for r in replicated if owners[r.key] == rank)
+            self.io.planned_reads[rank] = len(own) + counts.get(rank, 0)
         with shard_payloads():
             shared = read_shared(comm, reader, replicated, f"restore(step={manifest.step})")
-        received = sum(len(b) for key, b in shared.items() if owners[key] != rank)
+        # every shard's bytes, less this rank's own downloads (O(W) in C, not a Python loop per
+        # shard: each of thousands of ranks does it)
+        received = sum(map(len, shared.values())) - mine
         del shared
         done = self._read_each(reader, iter(own))
         with self.io.lock:

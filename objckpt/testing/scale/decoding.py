@@ -11,11 +11,11 @@ once per distinct bytes object (and arguments) and every later caller gets the s
 those of every rank parsing for itself. Without ``memoize`` every call runs for real (the tests
 check that both give the same counts).
 
-:func:`charged_exchange` does the same for the receive side of a read-once restore
-(``coordination.exchange.read_shared``): every rank CRC32C-checks the W shards of the one
-gathered list and computes the same ``assign`` plan from the same receipt objects; memoized by
-object identity, the real work runs once per object and every caller is charged its measured
-CPU (a derived quantity, as above).
+:func:`charged_exchange` does the same for a read-once restore
+(``coordination.exchange.read_shared``): every rank computes the same plan from the same receipts
+object and CRC32C-checks the shards of the one gathered list; memoized by object identity, the
+real work runs once per object and every caller is charged its measured CPU (a derived
+quantity, as above).
 """
 
 from __future__ import annotations
@@ -148,35 +148,32 @@ class _Memo:
         return value
 
 
-def _views_whole(view: memoryview) -> bool:
-    """Is ``view`` all of the bytes object it views? (A contiguous view of as many bytes as the
-    object holds starts at its first.)"""
-    obj = view.obj
-    return isinstance(obj, bytes) and view.nbytes == len(obj) and view.contiguous
-
-
 @contextlib.contextmanager
 def charged_exchange(memoize: bool) -> Iterator[None]:
-    """For the block, in :func:`~objckpt.coordination.exchange.read_shared`: its CRC32C check
-    of each received shard and its ``assign`` plan are charged to the calling rank's timeline
-    (measured CPU) and, with ``memoize``, computed once per distinct input object. Every rank of
-    a read-once restore receives the very same gathered list (one bytes object per source) and
-    plans from the same receipt objects (the one decoded manifest), so W ranks each checking W
-    shards cost O(W^2) real time here (16,384 ranks: ~90 ms of CPU per rank); memoized, each
-    shard's CRC32C is computed once and every rank's clock is charged what it measured, as if
-    every rank had checked for itself (a derived quantity: the bytes every rank checks are the
-    same object, so the result is the same). Without ``memoize`` every call runs for real (and
-    is charged)."""
+    """For the block, in :func:`~objckpt.coordination.exchange.read_shared`: its plan
+    (:func:`~objckpt.coordination.exchange.plan_shared`) and its check of what it received
+    (:func:`~objckpt.coordination.exchange.check_received`: the CRC32C of every other rank's
+    shards) are charged to the calling rank's timeline (measured CPU) and, with ``memoize``,
+    computed once per distinct input object. Every rank of a read-once restore plans from the
+    very same receipts object (the adapter's index of the one decoded manifest; it is never
+    mutated) and receives the very same gathered list (``SimComm.all_gather_bytes``), so W
+    ranks each planning W shards and checking W - 1 of them cost O(W^2) real time here
+    (16,384 ranks: ~0.1 s of CPU per rank, ~30 min in all); memoized, each is computed once
+    and every rank's clock is charged what it measured, as if every rank had computed for itself
+    (a derived quantity: the inputs are the same objects, so the results are the same). The
+    memoized check covers every source, the caller's own too (its ``skip`` is applied to the
+    result: the caller's shards and failures are dropped), so each rank is charged W checks
+    where it makes W - 1. Without ``memoize`` every call runs for real (and is charged)."""
     from ...coordination import exchange
 
-    original_crc: Callable[[Any], str] = getattr(exchange, "crc32c_b64")  # noqa: B009 - not exported
-    original_assign = exchange.assign
-    crcs, plans = _Memo(), _Memo(cap=8)
+    original_plan = exchange.plan_shared
+    original_check = exchange.check_received
+    plans, checks = _Memo(cap=8), _Memo(cap=8)
 
     def charged(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             t0 = time.thread_time()
-            value = fn(*args)
+            value = fn(*args, **kwargs)
             tl = clock.current()
             if tl is not None:
                 tl.advance(time.thread_time() - t0)
@@ -184,27 +181,33 @@ def charged_exchange(memoize: bool) -> Iterator[None]:
 
         return call
 
-    charged_crc = charged(original_crc)
-
-    def crc(data: Any) -> str:
-        # read_shared checks views (no copies): a view of a whole bytes object (one shard a
-        # source, the usual case) is that object's check; any other part is checked for real
-        whole = data.obj if isinstance(data, memoryview) and _views_whole(data) else data
-        if not isinstance(whole, bytes):
-            return cast("str", charged_crc(data))
-        return cast("str", crcs.call(id(whole), whole, lambda: original_crc(whole)))
-
-    def assign(receipts: Any, world_size: int) -> dict[str, int]:
-        held = tuple(receipts)
+    def plan_shared(receipts: Any, world_size: int) -> exchange.SharedPlan:
         return cast(
-            "dict[str, int]",
-            plans.call((tuple(map(id, held)), world_size), held, lambda: original_assign(held, world_size)),
+            "exchange.SharedPlan",
+            plans.call(
+                (id(receipts), len(receipts), world_size),
+                receipts,
+                lambda: original_plan(receipts, world_size),
+            ),
         )
 
-    setattr(exchange, "crc32c_b64", crc if memoize else charged(original_crc))  # noqa: B010
-    exchange.assign = assign if memoize else charged(original_assign)
+    def check_received(
+        blobs: Any, plan: exchange.SharedPlan, *, skip: int | None = None
+    ) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+        verified, corrupt = cast(
+            "tuple[dict[str, Any], list[tuple[int, str]]]",
+            checks.call((id(blobs), id(plan)), (blobs, plan), lambda: original_check(blobs, plan)),
+        )
+        mine = dict(verified)  # the caller's own: it adds its reads and drops what it decodes
+        if skip is not None:
+            for r in plan.owned[skip]:
+                mine.pop(r.key, None)
+        return mine, [c for c in corrupt if c[0] != skip]
+
+    exchange.plan_shared = plan_shared if memoize else charged(original_plan)
+    exchange.check_received = check_received if memoize else charged(original_check)
     try:
         yield
     finally:
-        setattr(exchange, "crc32c_b64", original_crc)  # noqa: B010
-        exchange.assign = original_assign
+        exchange.plan_shared = original_plan
+        exchange.check_received = original_check
