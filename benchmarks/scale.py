@@ -44,22 +44,22 @@ BYTE_SCALE = 4096
 SHARD_BYTES = 4096
 REPLICATED_BYTES = 4 * 1024 * 1024
 #: real seconds one scenario may take before it is stopped (and reported as such); beyond
-#: MAX_THREADS ranks BIG_TIMEOUT_S (16,384 ranks, before: 7.6 min here, its save 4.8 min for
-#: 557,379 requests on 16,384 threads, its restore 2.4 min to a 100,000-request budget)
+#: MAX_THREADS ranks without read-once BIG_TIMEOUT_S (16,384 ranks, before: 7.6 min here, its
+#: save 4.8 min for 557,379 requests on 16,384 threads, its restore 2.4 min to a 100,000-request
+#: budget); with read-once there TIMEOUT_S (2026-12-02: 3.9 min, its restore 137 s real)
 TIMEOUT_S = 1200
 BIG_TIMEOUT_S = 600
 #: requests a restore may make before the simulation stops it (today's restore at 4,096 ranks
 #: needs 16.8 M GETs; ~100 us of this machine per simulated request); beyond MAX_THREADS ranks
-#: BIG_RESTORE_BUDGET (today's restore there needs 268 M GETs: the budget only shows the rate)
+#: without read-once BIG_RESTORE_BUDGET (today's restore there needs 268 M GETs: the budget only
+#: shows the rate); read-once there needs 131,077
 RESTORE_BUDGET = 1_500_000
 BIG_RESTORE_BUDGET = 50_000
-#: ranks beyond this share threads (objckpt.testing.scale.world); read-once needs a thread per rank
-#: in the restore (ScaleOptions.restore_max_threads: read_shared is a collective of every rank),
-#: which at 16,384 ranks this machine does not give: the collectives no longer cost a barrier
-#: (~20 s per agree at 16,384 threads, was ~110 s per collective) and read_shared's checks are
-#: memoized, but starting the restore's 16,384 threads failed twice here ("can't start new
-#: thread"), and where they started the restore stayed at rank 0's 5 requests for 5-7 min (not
-#: yet understood), so read-once is left out there
+#: ranks beyond this share threads in a save (objckpt.testing.scale.world). A read-once restore
+#: needs a thread per rank (``ScaleOptions.restore_max_threads``: ``read_shared`` is a collective
+#: of every rank): 16,384 threads run here since the simulator memoizes ``read_shared``'s plan and
+#: check (``plan_shared``/``check_received``, computed once for every rank; before, each rank's
+#: O(W) Python planning made that restore stall for minutes before its first shard read)
 MAX_THREADS = 4096
 
 
@@ -68,12 +68,13 @@ def log(msg: str) -> None:
 
 
 def fix_set(spec: str, size: int) -> list[str]:
-    """``""``: none (before); ``"all"``: every built fix; else a comma list of fix options.
-    Read-once is left out where ranks share threads (it needs one thread per rank)."""
-    chosen = [f.option for f in fixes_mod.built()] if spec == "all" else [x for x in spec.split(",") if x]
-    if size > MAX_THREADS and "replicated_read_once" in chosen:
-        chosen.remove("replicated_read_once")
-    return chosen
+    """``""``: none (before); ``"all"``: every built fix; else a comma list of fix options."""
+    return [f.option for f in fixes_mod.built()] if spec == "all" else [x for x in spec.split(",") if x]
+
+
+def _read_once_big(fixes: list[str], size: int) -> bool:
+    """A read-once restore beyond MAX_THREADS ranks: a thread per rank in the restore."""
+    return size > MAX_THREADS and "replicated_read_once" in fixes
 
 
 def options_for(size: int, *, profile: str = "s3", fixes: str = "") -> ScaleOptions:
@@ -82,7 +83,9 @@ def options_for(size: int, *, profile: str = "s3", fixes: str = "") -> ScaleOpti
     retention deletes the first), one from 4,096 on (each save costs minutes here), then a
     restore. S3: a bucket whose ``data/`` is partitioned at the 256 spreading prefixes, in both
     columns (the old layout's keys all fall into one of those ranges)."""
-    fix_flags: dict[str, Any] = dict.fromkeys(fix_set(fixes, size), True)
+    chosen = fix_set(fixes, size)
+    fix_flags: dict[str, Any] = dict.fromkeys(chosen, True)
+    big = size > MAX_THREADS and not _read_once_big(chosen, size)
     return ScaleOptions(
         world_size=size,
         shards_per_rank=8,
@@ -94,7 +97,8 @@ def options_for(size: int, *, profile: str = "s3", fixes: str = "") -> ScaleOpti
         network=NetworkModel(byte_scale=BYTE_SCALE),
         saves=2 if size < 4096 else 1,
         max_threads=MAX_THREADS,
-        max_restore_requests=RESTORE_BUDGET if size <= MAX_THREADS else BIG_RESTORE_BUDGET,
+        restore_max_threads=size if _read_once_big(chosen, size) else None,
+        max_restore_requests=BIG_RESTORE_BUDGET if big else RESTORE_BUDGET,
         **fix_flags,
     )
 
@@ -103,7 +107,10 @@ def run_one(size: int, profile: str, fixes: str, out: Path) -> None:
     from objckpt.testing.scale import run_scenario
 
     options = options_for(size, profile=profile, fixes=fixes)
-    log(f"{profile} {size} ranks, fixes: {', '.join(options.fixes) or 'none'}; {options.threads} threads")
+    threads = f"{options.threads} threads"
+    if options.restore_threads != options.threads:
+        threads += f" ({options.restore_threads} in the restore)"
+    log(f"{profile} {size} ranks, fixes: {', '.join(options.fixes) or 'none'}; {threads}")
     result = run_scenario(options, log=lambda m: log(m), progress_s=120.0)
     out.write_text(json.dumps(result.to_dict(), default=str))
     log(f"{profile} {size} ranks done in {result.wall_s:.0f}s")
@@ -226,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         n = sorted(gcs_sizes)[len(gcs_sizes) // 2]
         jobs.append(("gcs_after", n, "gcs", "all", TIMEOUT_S))
     for n in sizes:
-        if n > MAX_THREADS:  # ranks share threads: a time limit, a smaller restore budget
+        if n > MAX_THREADS:  # ranks share threads: before, a time limit and a smaller restore budget
             jobs.append(("before", n, "s3", "", BIG_TIMEOUT_S))
-            if built:  # without read-once (it needs a thread per rank: fix_set)
-                jobs.append(("after", n, "s3", "all", BIG_TIMEOUT_S))
+            if built:  # with read-once: a thread per rank in the restore (options_for)
+                jobs.append(("after", n, "s3", "all", TIMEOUT_S))
     log("sweeps (64 ranks): shards per save, history")
     sweeps = {"shards": sweep("shards"), "history": sweep("history")}
     if built:

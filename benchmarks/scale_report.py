@@ -246,7 +246,7 @@ def table(columns: list[tuple[str, Result | None]], rows: list[Row] = ROWS) -> l
 
 def _size_columns(by_size: dict[int, Result], *, every_fix: bool = False) -> list[tuple[str, Result | None]]:
     """One column per size; with ``every_fix``, a column that ran without some built fix says
-    which (read-once needs a thread per rank, so it is left out where ranks share threads)."""
+    which."""
     built = [f.option for f in FIXES if f.enable is not None]
     columns: list[tuple[str, Result | None]] = []
     for n in sorted(by_size):
@@ -423,13 +423,9 @@ def render(
         "*Before* = every switch off (today's design before the fixes). *After* = every built fix on. "
         f"Above {MAX_THREADS:,} ranks, {MAX_THREADS:,} threads host the ranks (several per thread, see "
         "[the simulator](#the-simulator)), each scenario runs under a time limit and its restore under a "
-        "smaller request budget; *after* runs there without `replicated_read_once`: its collective of "
-        "every rank needs a thread per rank in the restore (`ScaleOptions.restore_max_threads`), and this "
-        "machine did not carry a 16,384-thread restore through (starting its threads failed twice, and "
-        "where they started it made no progress past rank 0's first requests for minutes; the "
-        "collectives themselves no longer wait on a barrier, ~20 s per `agree` at 16,384 threads). "
-        "*Each fix alone* runs at 512 ranks (at 4,096 ranks a read-once restore takes ~3 min here, "
-        "its exchange one simulated all-gather).",
+        "smaller request budget (*before*); *after*'s restore there runs on a thread per rank "
+        "(`ScaleOptions.restore_max_threads`: `read_shared` is a collective of every rank) under the "
+        "full budget. *Each fix alone* runs at 512 ranks.",
         "",
         "## Goals of the issue, at 4,096 ranks x 8 shards",
         "",
