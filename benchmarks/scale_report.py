@@ -206,10 +206,7 @@ ROWS: list[Row] = [
         "`Manifest.decode` / `encode` (real CPU here)",
         lambda r: f"{_s(r['manifest_decode_s'])} / {_s(r['manifest_encode_s'])}",
     ),
-    (
-        "threads (ranks per thread)",
-        lambda r: f"{_n(r['options']['threads'])} ({r['options']['world_size'] // r['options']['threads']})",
-    ),
+    ("threads (ranks per thread): save; restore", lambda r: _threads(r)),
     ("baton hand-overs / lag violations", lambda r: f"{_n(r['pace_waits'])} / {_n(r['lag_violations'])}"),
     ("**real time of the scenario** (this machine)", lambda r: _s(r.get("process_s", r["wall_s"]))),
 ]
@@ -242,6 +239,14 @@ def table(columns: list[tuple[str, Result | None]], rows: list[Row] = ROWS) -> l
         cells = ["-" if i and r and "error" in r else _cell(fn, r) for _, r in columns]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     return out
+
+
+def _threads(r: Result) -> str:
+    """The save's threads and the restore's (its own count when it needs a thread per rank)."""
+    n = r["options"]["world_size"]
+    save = r["options"]["threads"]
+    restore = (r.get("restore") or {}).get("threads") or save
+    return f"{_n(save)} ({n // save}); {_n(restore)} ({n // restore})"
 
 
 def _size_columns(by_size: dict[int, Result], *, every_fix: bool = False) -> list[tuple[str, Result | None]]:
