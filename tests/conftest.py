@@ -6,6 +6,7 @@ import pytest
 
 from objckpt import _crc
 from objckpt.store import Store
+from objckpt.testing._contract_writes import expect_gap as contract_expect_gap
 from tests.backends import BACKEND_NAMES, Backend
 
 pytest_plugins = [
@@ -46,7 +47,7 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def expect_gap(request: pytest.FixtureRequest, backend: Backend, gap: str) -> None:
-    """Mark the running test xfail(strict) when ``backend`` is known to lack ``gap``."""
+    """Mark the running test xfail(strict) when ``backend`` is known to lack ``gap``: the contract
+    suite's rule, with the backend's name in the reason."""
     reason = backend.gaps.get(gap)
-    if reason:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"{backend.name}: {reason}"))
+    contract_expect_gap(request, {gap: f"{backend.name}: {reason}"} if reason else {}, gap)

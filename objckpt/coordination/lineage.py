@@ -13,14 +13,20 @@ State is per process and per run root (the store's location; a memory store's id
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
 
 from ..manifest import Manifest
+from ..reader import Reader
 from ..store.base import Store
+from ..timelines import claim_timeline
 
-__all__ = ["Position", "forget", "position", "record"]
+__all__ = ["Position", "forget", "position", "record", "where_to_commit"]
+
+# the logger of the save that asks (its messages were logged there before this moved here)
+log = logging.getLogger("objckpt.save")
 
 
 @dataclass(frozen=True)
@@ -83,3 +89,45 @@ def forget(store: Store) -> None:
             _by_object.pop(obj, None)
         else:
             _by_location.pop(location, None)
+
+
+def where_to_commit(store: Store, step: int) -> tuple[int, tuple[int, int] | None]:
+    """Rank 0 of a save of ``step``: the timeline it commits on and the checkpoint it continues from.
+
+    After restoring the head (or nothing) that is the head's timeline; after restoring
+    anything else (an explicit step, a fallback past damage) a new timeline is claimed here,
+    once, whose base is the restored checkpoint (invariant T2), and the abandoned steps are
+    logged at INFO.
+    """
+    pos = position(store)
+    if pos is None:
+        head = Reader(store).head()
+        return head.timeline, head.ref
+    if pos.restored and pos.timeline is not None and step <= pos.base.step:
+        # Saving a step that is not after the checkpoint just restored (re-saving it, or an
+        # earlier one): the committed steps from there on belong to the line being left.
+        pos = Position(pos.base, None, "restore", (), restored=True)
+    if pos.timeline is not None:
+        pointer = Reader(store).pointer()
+        if pointer is not None and pointer.timeline > pos.timeline:
+            # Someone (a rollback from the CLI, another job) started a newer timeline: this
+            # save lands on an abandoned line and will never be restored. Say so, loudly.
+            log.warning(
+                "saving on timeline %d under %s, but timeline %d has been started since (a rollback?): "
+                "this checkpoint will never be the latest; restore to continue on the new head",
+                pos.timeline,
+                store.location,
+                pointer.timeline,
+            )
+        return pos.timeline, pos.base.ref
+    claim = claim_timeline(store, pos.base, reason=pos.reason or "restore")
+    log.info(
+        "saving on new timeline %d from step %s under %s (restored %s); abandoned: %s",
+        claim.timeline,
+        pos.base.label,
+        store.location,
+        "after a fallback past damage" if pos.reason == "fallback" else "a checkpoint that was not the head",
+        ", ".join(pos.abandons) or "nothing",
+    )
+    record(store, Position(pos.base, claim.timeline))
+    return claim.timeline, pos.base.ref

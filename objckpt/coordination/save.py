@@ -49,9 +49,7 @@ from ..errors import (
 from ..gc import DEFAULT_GRACE_PERIOD, RetentionPolicy, retain
 from ..manifest import Manifest, Reference, ShardReceipt, run_identity
 from ..metrics import CheckpointMetrics
-from ..reader import Reader
 from ..store.base import ObjectMeta, Store
-from ..timelines import claim_timeline
 from ..writer import ShardWriter
 from . import lineage
 from ._verification import gather_listings, list_slice, listed_entry
@@ -483,7 +481,7 @@ class SaveSession:
             if self._coordinator is None or self._coordinator.world_size != len(reports):
                 # once per world size: construction checks (and warns about) the store
                 self._coordinator = Coordinator(self.store, world_size=len(reports))
-            timeline, after = self._where_to_commit(step)
+            timeline, after = lineage.where_to_commit(self.store, step)
             manifest = self._coordinator.commit(
                 step,
                 attempt,
@@ -507,49 +505,6 @@ class SaveSession:
             raise CommitError(
                 f"step {step} attempt {attempt} not committed: the coordinator failed: {why}", {0: why}
             ) from exc
-
-    def _where_to_commit(self, step: int) -> tuple[int, tuple[int, int] | None]:
-        """Rank 0: the timeline this save commits on and the checkpoint it continues from.
-
-        After restoring the head (or nothing) that is the head's timeline; after restoring
-        anything else (an explicit step, a fallback past damage) a new timeline is claimed here,
-        once, whose base is the restored checkpoint (invariant T2), and the abandoned steps are
-        logged at INFO.
-        """
-        pos = lineage.position(self.store)
-        if pos is None:
-            head = Reader(self.store).head()
-            return head.timeline, head.ref
-        if pos.restored and pos.timeline is not None and step <= pos.base.step:
-            # Saving a step that is not after the checkpoint just restored (re-saving it, or an
-            # earlier one): the committed steps from there on belong to the line being left.
-            pos = lineage.Position(pos.base, None, "restore", (), restored=True)
-        if pos.timeline is not None:
-            pointer = Reader(self.store).pointer()
-            if pointer is not None and pointer.timeline > pos.timeline:
-                # Someone (a rollback from the CLI, another job) started a newer timeline: this
-                # save lands on an abandoned line and will never be restored. Say so, loudly.
-                log.warning(
-                    "saving on timeline %d under %s, but timeline %d has been started since (a rollback?): "
-                    "this checkpoint will never be the latest; restore to continue on the new head",
-                    pos.timeline,
-                    self.store.location,
-                    pointer.timeline,
-                )
-            return pos.timeline, pos.base.ref
-        claim = claim_timeline(self.store, pos.base, reason=pos.reason or "restore")
-        log.info(
-            "saving on new timeline %d from step %s under %s (restored %s); abandoned: %s",
-            claim.timeline,
-            pos.base.label,
-            self.store.location,
-            "after a fallback past damage"
-            if pos.reason == "fallback"
-            else "a checkpoint that was not the head",
-            ", ".join(pos.abandons) or "nothing",
-        )
-        lineage.record(self.store, lineage.Position(pos.base, claim.timeline))
-        return claim.timeline, pos.base.ref
 
     def retain(self, committed: Manifest | None = None) -> None:
         """Apply the retention policy (rank 0, after a commit); logs instead of raising.

@@ -10,6 +10,7 @@ under the key's stripe lock for OVERWRITE and ``update``. A mixin on
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import os
 import stat
@@ -149,39 +150,33 @@ class _LocalStaging(_LocalDirs):
             self._fsync_fd(dfd, key, operation)
 
     def _link_create(self, staging: str, dfd: int, target: str, key: str, operation: str) -> None:
-        if self.create == "lock":
-            # Opted in: the lock makes link-or-check-and-replace one step among objckpt writers.
-            with self._key_lock(key, operation):
-                try:
-                    os.link(staging, target, dst_dir_fd=dfd, follow_symlinks=False)
-                except FileExistsError:
+        # create=lock (opted in): the key's lock makes link-or-check-and-replace one step among
+        # objckpt writers, for filesystems that refuse hard links
+        locked = self.create == "lock"
+        with self._key_lock(key, operation) if locked else contextlib.nullcontext():
+            try:
+                os.link(staging, target, dst_dir_fd=dfd, follow_symlinks=False)
+            except FileExistsError:
+                self._exists_error(dfd, target, key, operation)
+            except OSError as exc:
+                if exc.errno not in _NO_LINK_ERRNOS:
+                    raise
+                if not locked:
+                    # Never degrade silently to check-then-write: that would let another
+                    # program's write between the check and the replace be overwritten.
+                    raise NotSupportedError(
+                        f"the filesystem holding {self.root} refuses hard links "
+                        f"({errno.errorcode.get(exc.errno or 0, exc.errno)}), which file:// needs to enforce "
+                        "create-if-absent atomically; use a filesystem with hard links, or open the store "
+                        f"with file://{self.root}?create=lock to check under objckpt's lock files instead "
+                        "(atomic only among objckpt writers)",
+                        key=key,
+                        location=self.location,
+                        operation=operation,
+                    ) from exc
+                if _lstat_at(dfd, target) is not None:
                     self._exists_error(dfd, target, key, operation)
-                except OSError as exc:
-                    if exc.errno not in _NO_LINK_ERRNOS:
-                        raise
-                    if _lstat_at(dfd, target) is not None:
-                        self._exists_error(dfd, target, key, operation)
-                    os.replace(staging, target, dst_dir_fd=dfd)
-            return
-        try:
-            os.link(staging, target, dst_dir_fd=dfd, follow_symlinks=False)
-        except FileExistsError:
-            self._exists_error(dfd, target, key, operation)
-        except OSError as exc:
-            if exc.errno not in _NO_LINK_ERRNOS:
-                raise
-            # Never degrade silently to check-then-write: that would let another program's
-            # write between the check and the replace be overwritten.
-            raise NotSupportedError(
-                f"the filesystem holding {self.root} refuses hard links "
-                f"({errno.errorcode.get(exc.errno or 0, exc.errno)}), which file:// needs to enforce "
-                "create-if-absent atomically; use a filesystem with hard links, or open the store "
-                f"with file://{self.root}?create=lock to check under objckpt's lock files instead "
-                "(atomic only among objckpt writers)",
-                key=key,
-                location=self.location,
-                operation=operation,
-            ) from exc
+                os.replace(staging, target, dst_dir_fd=dfd)
         # after a link the staging name still exists; the caller discards it
 
     def _exists_error(self, dfd: int, target: str, key: str, operation: str) -> None:
