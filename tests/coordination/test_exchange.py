@@ -16,7 +16,7 @@ import pytest
 from objckpt import layout
 from objckpt.coordination import ThreadWorld
 from objckpt.coordination.comm import Comm
-from objckpt.coordination.exchange import assign, read_shared
+from objckpt.coordination.exchange import assign, check_received, plan_shared, read_shared
 from objckpt.coordination.restore import RestoreSession
 from objckpt.errors import (
     ChecksumMismatchError,
@@ -46,6 +46,43 @@ def _write_shared(store: Any, sizes: list[int]) -> list[ShardReceipt]:
 
 def _run(world_size: int, fn: Any) -> list[Any]:
     return ThreadWorld(world_size, timeout=30).run(fn)
+
+
+def test_the_plan_is_each_ranks_own_shards_in_key_order_and_the_same_for_any_order():
+    receipts = [
+        ShardReceipt(key=f"data/k{i:03d}", size=size, version="v", crc32c="AAAAAA==", rank=i, name="x")
+        for i, size in enumerate([900, 10, 500, 500, 400, 300, 300, 100, 50, 40])
+    ]
+    plan = plan_shared([*receipts, receipts[3]], WORLD)  # a key named twice counts once
+    assert plan == plan_shared(list(reversed(receipts)), WORLD)
+    assert [r.key for r in plan.ordered] == sorted(r.key for r in receipts)
+    for rank, owned in enumerate(plan.owned):
+        assert [r.key for r in owned] == sorted(k for k, v in plan.owners.items() if v == rank)
+        assert plan.sizes[rank] == sum(r.size for r in owned)
+    assert plan.digest != plan_shared(receipts[:-1], WORLD).digest
+
+
+def test_received_shards_are_views_of_the_blobs_and_the_callers_own_is_not_checked():
+    from objckpt._crc import crc32c_b64
+
+    data = [bytes([r + 1]) * (100 + r) for r in range(3)]
+    receipts = [
+        ShardReceipt(key=f"data/k{r}", size=len(d), version="v", crc32c=crc32c_b64(d), rank=r, name="x")
+        for r, d in enumerate(data)
+    ]
+    plan = plan_shared(receipts, 3)
+    blobs = [b"".join(data[int(r.key[-1])] for r in owned) for owned in plan.owned]
+    owner_of_k0 = plan.owners["data/k0"]
+    damaged = list(blobs)
+    damaged[owner_of_k0] = b"\0" + blobs[owner_of_k0][1:]
+    verified, corrupt = check_received(damaged, plan, skip=owner_of_k0)
+    assert corrupt == [] and "data/k0" not in verified  # its own contribution: not checked, not returned
+    verified, corrupt = check_received(damaged, plan)
+    assert [src for src, _ in corrupt] == [owner_of_k0] and "data/k0" in corrupt[0][1]
+    assert "data/k0" not in verified
+    for key, view in verified.items():
+        assert isinstance(view, memoryview) and view.obj is damaged[plan.owners[key]]  # no copy
+        assert bytes(view) == data[int(key[-1])]
 
 
 def test_assignment_balances_bytes_and_is_the_same_for_every_caller():
