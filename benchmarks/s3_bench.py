@@ -21,6 +21,27 @@ rank) and, interleaved run by run (the order rotates each run), time:
                 and ``s3tc``, only the storage layer differs (the head-to-head leg)
 ==============  ============================================================================
 
+Asynchronous saves, 1 rank (``benchmarks.run`` adds these cases to the 1-rank world only):
+
+========================  ======================================================================
+``objckpt_async``         cold: a NEW ``CheckpointManager`` per run, timed from ``save_async``
+                          to the commit (``handle.wait()``): the staging buffer is allocated and
+                          first touched (page faults) inside the timed save, the worker thread
+                          started. Compared with ``objckpt`` (a new manager per run as well,
+                          which never stages). What a job's FIRST ``save_async`` costs.
+``objckpt_steady``        steady state, sync: ONE ``CheckpointManager.save`` manager for the
+                          whole world (``keep_last=1``), its first save an untimed warm-up;
+                          the saved model (a copy of the benchmark's) changes before every save
+                          (untimed), so every save has a parent to deduplicate against and
+                          finds nothing to reuse, as in a training job
+``objckpt_async_steady``  the same, with ``save_async``: the staging buffer was allocated by
+                          the warm-up save and is reused; timed from ``save_async`` to the
+                          commit. What every later save of a training job costs: a job
+                          constructs its manager once and saves with it every ``every``
+                          steps (the manager's docstring), so the scoreboard's steady row
+                          pairs these two cases; its cold row pairs ``objckpt_async`` with ``objckpt``
+========================  ======================================================================
+
 A time is barrier-to-barrier on rank 0 (so the slowest rank counts). Each load is checked
 against the state's fingerprint (raw: byte count). Everything written in a run is deleted,
 untimed, before the next. Results go to a JSON file written by rank 0.
@@ -31,6 +52,7 @@ untimed, before the next. Results go to a JSON file written by rank 0.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -172,6 +194,11 @@ class Bench:
         self.errors: dict[str, str] = {}
         #: seconds until save_async returned (the part a training loop waits for)
         self.async_blocking: list[float] = []
+        self.async_steady_blocking: list[float] = []
+        #: the steady cases' managers (one per case for the world's life) and their next step
+        self.steady: dict[str, Any] = {}
+        self.steady_step: dict[str, int] = {}
+        self.steady_model: Any = None
         # the tensors objckpt's manager gives this rank (equal sizes: round robin), as one blob
         params = list(self.model.parameters())
         mine = [p for i, p in enumerate(params) if i % self.ws == self.rank]
@@ -185,11 +212,11 @@ class Bench:
         )
 
     # -- per-case prefixes (everything a run writes lies under prefix(run))
-    def prefix(self, case: str, run: int) -> str:
+    def prefix(self, case: str, run: int | str) -> str:
         return f"{self.tag}/w{self.ws}/{case}/run{run}"
 
     # -- objckpt
-    def _store(self, run: int, case: str = "objckpt") -> Any:
+    def _store(self, run: int | str, case: str = "objckpt") -> Any:
         from objckpt.store import open_store
 
         return open_store(
@@ -319,6 +346,60 @@ class Bench:
 
         return mgr, go
 
+    # -- steady state: one manager for the world, as a training job keeps (see the docstring)
+    def _steady(self, case: str) -> tuple[Any, int]:
+        """The case's manager (created, with an untimed warm-up save, on first use) and the
+        step to save next; the saved model's values change first (untimed)."""
+        import torch
+
+        from objckpt.training.manager import CheckpointManager
+
+        if self.steady_model is None:
+            self.steady_model = copy.deepcopy(self.model)
+        mgr = self.steady.get(case)
+        if mgr is None:
+            mgr = self.steady[case] = CheckpointManager(self._store("steady", case), keep_last=1)
+            self.steady_step[case] = 1
+            self._steady_save(case, mgr)  # warm-up: staging buffer, worker thread, connections
+        with torch.no_grad():  # new values: the parent holds nothing this save can reuse
+            for p in self.steady_model.parameters():
+                p.add_(1)
+        self.steady_step[case] += 1
+        return mgr, self.steady_step[case]
+
+    def _steady_save(self, case: str, mgr: Any) -> None:
+        step, state = self.steady_step[case], {"model": self.steady_model}
+        if case == "objckpt_async_steady":
+            t = time.perf_counter()
+            handle = mgr.save_async(step, state)
+            blocked = time.perf_counter() - t
+            _await(handle, mgr)
+            if step > 1:
+                self.async_steady_blocking.append(blocked)
+        else:
+            mgr.save(step, state)
+        assert mgr.latest_step() == step
+
+    def objckpt_steady_save(self, run: int) -> Any:
+        mgr, _ = self._steady("objckpt_steady")
+        return None, (lambda: self._steady_save("objckpt_steady", mgr))
+
+    def objckpt_async_steady_save(self, run: int) -> Any:
+        from objckpt.training.manager import CheckpointManager
+
+        if not hasattr(CheckpointManager, "save_async"):
+            raise NotImplementedError("CheckpointManager.save_async does not exist yet")
+        mgr, _ = self._steady("objckpt_async_steady")
+        return None, (lambda: self._steady_save("objckpt_async_steady", mgr))
+
+    def close(self) -> None:
+        """Close the steady managers and delete what they wrote (untimed)."""
+        for case, mgr in self.steady.items():
+            mgr.close()
+            if self.rank == 0:
+                delete_prefix(self.client, BUCKET, self.prefix(case, "steady") + "/")
+        self.steady.clear()
+
     # -- driver
     def one(self, case: str, op: str, run: int) -> tuple[float, float] | None:
         """Time one case/op (None if the case already failed; its error is kept)."""
@@ -384,6 +465,7 @@ def worker(cfg_path: str, rank: int) -> None:
         for case in cases:
             warm.one(case, op, 0)
     warm.cleanup(0)
+    warm.close()
     warm_errors = dict(warm.errors)
     del warm
 
@@ -398,6 +480,7 @@ def worker(cfg_path: str, rank: int) -> None:
                 if t is not None:
                     times[case][op].append(list(t))
         bench.cleanup(run)
+    bench.close()
     if rank == 0:
         write_json(
             cfg["out"],
@@ -407,6 +490,7 @@ def worker(cfg_path: str, rank: int) -> None:
                 "n_tensors": cfg["n_tensors"],
                 "times": times,
                 "async_blocking": bench.async_blocking,
+                "async_steady_blocking": bench.async_steady_blocking,
                 "errors": bench.errors,
             },
         )
@@ -446,8 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     for op in ("save", "load"):
         for case, t in times.items():
             walls = [w for w, _ in t[op]]
+            if not walls:  # a case without this op (the async ones have no load)
+                continue
             line = f"{op} {case:<9} {Series(walls).fmt(2, 's')}"
-            if case != "objckpt" and times.get("objckpt", {}).get(op):
+            if case != "objckpt" and len(times.get("objckpt", {}).get(op, [])) == len(walls):
                 ours = [w for w, _ in times["objckpt"][op]]
                 line += f"  objckpt speed ratio {paired_ratios(walls, ours).fmt(2, 'x')}"
             print(line)

@@ -376,6 +376,71 @@ def test_staged_copies_are_bitwise_and_alias_nothing() -> None:
         StagingArea(max_bytes=16).plan([tree])
 
 
+def test_one_staging_buffer_for_every_save_and_each_tensor_copied_once() -> None:
+    store = MemoryStore()
+    mgr = CheckpointManager(store, keep_last=2)
+    s, _ = _pair()
+    model_bytes = sum(p.numel() * p.element_size() for p in s["model"].parameters())
+    copied, handles = [], []
+    for step in range(3, 8):
+        _scramble(s)  # new values, same shapes: the buffer is big enough already
+        handles.append(mgr.save_async(step, s))
+        handles[-1].wait(timeout=60)
+        copied.append(mgr._staging.copied_bytes)
+    assert mgr._staging.allocations == 1  # allocated by the first save, reused by the other four
+    assert len(set(copied)) == 1 and model_bytes < copied[0] <= handles[0].staged_bytes
+    mgr.close()
+
+
+def test_staging_copies_each_distinct_tensor_once_and_grows_only_when_needed() -> None:
+    a = torch.randn(1000)
+    tree = {"a": a, "tied": [a, a], "np": np.arange(10, dtype=np.int64), "t": torch.randn(6, 4).t()}
+    area = StagingArea()
+    for _ in range(4):
+        area.stage(area.plan([tree]))
+        assert area.copied_bytes == 4000 + 80 + 96  # the tied tensor once
+    assert area.allocations == 1
+    area.stage(area.plan([{"big": torch.zeros(1 << 19)}]))  # 2 MiB: more than the buffer holds
+    assert area.allocations == 2 and area.copied_bytes == 1 << 21
+    area.stage(area.plan([tree]))  # smaller again: the larger buffer is kept
+    assert area.allocations == 2
+
+
+def test_with_one_intra_op_thread_contiguous_tensors_are_staged_by_memcpy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from objckpt.training import staging
+
+    calls: list[int] = []
+    real = staging._memmove
+
+    def counting(dst: int, src: int, n: int) -> None:
+        calls.append(n)
+        real(dst, src, n)
+
+    monkeypatch.setattr(staging, "_memmove", counting)
+    tree = {
+        "f": torch.randn(300),
+        "bf16": torch.randn(7).to(torch.bfloat16),
+        "offset": torch.arange(20, dtype=torch.int64)[5:],  # contiguous, not at its storage's start
+        "strided": torch.randn(3, 4).t(),  # not contiguous: torch's copy
+    }
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        area = StagingArea()
+        (staged,) = area.stage(area.plan([tree]))
+        assert sorted(calls) == sorted([1200, 14, 120])  # one memcpy per contiguous tensor
+        for k in tree:
+            assert torch.equal(staged[k], tree[k]) and staged[k].data_ptr() != tree[k].data_ptr()
+        calls.clear()
+        torch.set_num_threads(2)  # torch's kernel, split over its threads
+        area.stage(area.plan([tree]))
+        assert calls == []
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------- 2 ranks
 
 
