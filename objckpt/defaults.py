@@ -16,6 +16,11 @@ HANDSHAKE_TIMEOUT = 300.0
 #: bytes of the padded buffer one round of ``Comm.all_gather_bytes`` may hold on a rank (over
 #: gloo: world_size x the round's widest contribution); larger exchanges take several rounds
 EXCHANGE_BUDGET = 256 * 1024 * 1024
+#: up to this world size the gloo transport of ``Comm.all_gather_bytes`` sends each rank's bytes
+#: with broadcasts straight into an exact buffer per source (no padding, no copy, 2.5x faster
+#: than gloo's all-gather at 2 ranks, issue 14); above it, rounds of one all-gather (a ring,
+#: whose cost does not grow with the number of collectives a world size issues)
+EXCHANGE_BROADCAST_MAX_WORLD = 8
 #: ``verify="auto"`` (the default) spreads a commit's verification LISTs over the ranks above
 #: this world size; up to it the coordinator LISTs the attempt itself (one spread prefix a rank,
 #: all at once: one round trip, no extra collective)
@@ -31,6 +36,7 @@ GC_GRACE_PERIOD = timedelta(hours=6)
 KEEP_ABANDONED = timedelta(days=7)
 
 __all__ = [
+    "EXCHANGE_BROADCAST_MAX_WORLD",
     "EXCHANGE_BUDGET",
     "GC_GRACE_PERIOD",
     "HANDSHAKE_TIMEOUT",

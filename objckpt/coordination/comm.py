@@ -84,21 +84,25 @@ class Comm(ABC):
             raise DistributedError(f"{what}: rank {src} sent no bytes")
         return base64.b64decode(got)
 
-    def all_gather_bytes(self, data: bytes | None, sizes: Sequence[int], what: str) -> Sequence[Buffer]:
+    def all_gather_bytes(self, data: Buffer | None, sizes: Sequence[int], what: str) -> Sequence[Buffer]:
         """Every rank's bytes on every rank, in rank order: rank ``r`` contributes exactly
         ``sizes[r]`` bytes. ``sizes`` is known to every rank in advance (every rank passes the
         same list), so no length is exchanged; ``data`` may be ``None`` where this rank's size is
-        0. A collective of every rank. This rank's own entry is ``data`` itself; the others are
-        bytes-like (``bytes``, or read-only ``memoryview`` s into the transport's receive buffers
-        over gloo, so the exchange copies nothing per rank: take ``len()``, slice, hash or
-        ``memoryview()`` them, and keep them only as long as needed, since a view keeps its whole
-        receive buffer alive). The returned sequence may be shared with other ranks of the same
-        process (:class:`ThreadComm`): read it, never modify it.
+        0. A collective of every rank. This rank's own entry is ``data`` itself (any buffer of
+        ``sizes[rank]`` bytes, sent as is, never copied); the others are bytes-like (``bytes``, or
+        ``memoryview`` s into the transport's receive buffers, so the exchange copies nothing per
+        rank: take ``len()``, slice, hash or ``memoryview()`` them, and keep them only as long as
+        needed, since a view keeps its whole receive buffer alive). Over gloo they are writable
+        buffers this rank alone owns (a decoder may build tensors on them); the returned sequence
+        may be shared with other ranks of the same process (:class:`ThreadComm`): read it, never
+        modify it.
 
         The default sends each non-empty contribution with :meth:`broadcast_bytes` (one
-        collective per contributing rank, so any Comm works); :class:`ThreadComm` and the gloo
-        ``DistComm`` override it with one rendezvous (gloo: one all-gather per round of at most
-        ``defaults.EXCHANGE_BUDGET`` padded bytes, see :func:`exchange_rounds`).
+        collective per contributing rank, so any Comm works); :class:`ThreadComm` overrides it
+        with one rendezvous, the gloo ``DistComm`` with one broadcast per contributing rank into
+        an exact buffer per source up to ``defaults.EXCHANGE_BROADCAST_MAX_WORLD`` ranks, and
+        above it one all-gather per round of at most ``defaults.EXCHANGE_BUDGET`` padded bytes
+        (see :func:`exchange_rounds`).
 
         Raises:
             ValueError: ``sizes`` is not ``world_size`` non-negative ints (every rank passes the
@@ -112,12 +116,13 @@ class Comm(ABC):
         _raise_unfit(self, data, sizes, what)
         return got
 
-    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[Buffer]:
+    def _all_gather_bytes(self, mine: Buffer, sizes: list[int], what: str) -> Sequence[Buffer]:
         """:meth:`all_gather_bytes` once the arguments are checked (``mine`` is exactly
         ``sizes[rank]`` bytes): what a transport overrides."""
-        out: list[bytes] = []
+        out: list[Buffer] = []
+        own = mine if isinstance(mine, bytes) else bytes(mine)  # what broadcast_bytes takes
         for src, n in enumerate(sizes):
-            got = self.broadcast_bytes(mine if src == self.rank else None, what, src=src) if n else b""
+            got = self.broadcast_bytes(own if src == self.rank else None, what, src=src) if n else b""
             out.append(mine if src == self.rank else got)
         return out
 
@@ -180,19 +185,21 @@ def _check_sizes(comm: Comm, sizes: Sequence[int], what: str) -> list[int]:
     return out
 
 
-def _fit(data: bytes | None, n: int) -> bytes:
+def _fit(data: Buffer | None, n: int) -> Buffer:
     """``data`` as exactly ``n`` bytes (cut or zero-padded): what a rank whose contribution is
-    the wrong size still sends, so that the collective completes (it raises afterwards)."""
+    the wrong size still sends, so that the collective completes (it raises afterwards). A
+    buffer of the right size is passed on as is, never copied (a contribution is the shard
+    bytes themselves, up to the whole replicated state's share of this rank)."""
     if data is None:
         return bytes(n)
-    if len(data) == n:
-        return data if isinstance(data, bytes) else bytes(data)
-    return bytes(data[:n]).ljust(n, b"\0")
+    if memoryview(data).nbytes == n:
+        return data
+    return bytes(memoryview(data).cast("B")[:n]).ljust(n, b"\0")
 
 
-def _raise_unfit(comm: Comm, data: bytes | None, sizes: Sequence[int], what: str) -> None:
+def _raise_unfit(comm: Comm, data: Buffer | None, sizes: Sequence[int], what: str) -> None:
     n = sizes[comm.rank]
-    have = 0 if data is None else len(data)
+    have = 0 if data is None else memoryview(data).nbytes
     if have != n:
         raise ValueError(
             f"{what}: rank {comm.rank} contributed {have} bytes where every rank expected "
@@ -221,7 +228,7 @@ class LocalComm(Comm):
             raise DistributedError(f"{what}: rank 0 sent no bytes")
         return bytes(data)
 
-    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+    def _all_gather_bytes(self, mine: Buffer, sizes: list[int], what: str) -> Sequence[Buffer]:
         return [mine]
 
 
@@ -247,7 +254,7 @@ class ThreadWorld:
         self._slots: list[Any] = [None] * world_size
         self._value: Any = None
         # the list the next all-gather of bytes fills (a new one per collective: see _all_gather)
-        self._gathered: list[bytes] = [b""] * world_size
+        self._gathered: list[Buffer] = [b""] * world_size
         #: collectives completed (rank 0's count), for tests that bound the protocol's traffic
         self.collectives = 0
         self._channels: dict[str, ThreadWorld] = {}
@@ -344,7 +351,7 @@ class ThreadWorld:
             self.collectives += 1
         return out
 
-    def _all_gather(self, rank: int, data: bytes, what: str) -> list[bytes]:
+    def _all_gather(self, rank: int, data: Buffer, what: str) -> list[Buffer]:
         """Every rank's bytes on every rank, one rendezvous: each rank fills its entry of one
         list, and every rank returns that very list (no copy per receiver: at thousands of
         ranks, W receivers each copying W entries would be W^2 work). Rank 0 puts a fresh list
@@ -399,7 +406,7 @@ class ThreadComm(Comm):
             raise DistributedError(f"{what}: rank {src} sent no bytes")
         return got
 
-    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+    def _all_gather_bytes(self, mine: Buffer, sizes: list[int], what: str) -> Sequence[Buffer]:
         """One rendezvous (two barrier rounds, as every collective here); every rank gets the
         same list (see :meth:`ThreadWorld._all_gather`)."""
         return self._run(what, lambda: self.world._all_gather(self.rank, mine, what))

@@ -9,7 +9,7 @@ round robin: largest shard first, each to the rank with the fewest bytes so far,
 lowest rank), so every rank computes the same plan without a message. Then:
 
 1. each rank downloads its shards, size and CRC32C verified while streaming
-   (:meth:`~objckpt.reader.Reader.read_shard`);
+   (:meth:`~objckpt.reader.Reader.open_shard`), straight into one buffer: its contribution;
 2. one :func:`~objckpt.coordination.comm.agree` on how the reads went. The one damage rule
    (:func:`objckpt.errors.is_damage`) classifies a failed read: damage (a missing or corrupt
    shard) becomes the same damage error on every rank, so the restore session falls back on every
@@ -17,9 +17,10 @@ lowest rank), so every rank computes the same plan without a message. Then:
    error) is raised on every rank and is never a fallback;
 3. one exchange (:meth:`Comm.all_gather_bytes`): each rank contributes the shards it read,
    concatenated in key order; every rank knows every contribution's size from the receipts, so
-   no length is sent, and the number of collectives does not grow with the world or the number
-   of shards (over gloo: one all-gather per round of at most ``defaults.EXCHANGE_BUDGET`` padded
-   bytes, ``ceil(W x largest contribution / budget)`` rounds; it was two broadcasts per shard).
+   no length is sent, and the number of collectives does not grow with the number of shards
+   (over gloo: up to ``defaults.EXCHANGE_BROADCAST_MAX_WORLD`` ranks one broadcast per
+   contributing rank, straight into an exact receive buffer; above, one all-gather per round of
+   at most ``defaults.EXCHANGE_BUDGET`` padded bytes; it was two broadcasts per shard).
    Every receiving rank splits each contribution by the receipts and checks each shard's size
    and CRC32C against its receipt before anything uses it (:func:`check_received`). Bytes that arrive different from what
    the manifest says are a :class:`DistributedError` (the transport, not the checkpoint, is at
@@ -32,12 +33,13 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._crc import Buffer, crc32c_b64
-from ..errors import DistributedError, decode_error, encode_error, is_damage, with_rank
+from ..errors import ChecksumMismatchError, DistributedError, decode_error, encode_error, is_damage, with_rank
 from ..manifest import ShardReceipt
 from ..reader import Reader
 from .comm import Comm, agree
@@ -71,9 +73,11 @@ def read_shared(
     error: BaseException | None = None,
 ) -> dict[str, Buffer]:
     """Every rank gets the verified bytes of every shard in ``receipts``; each shard is downloaded
-    by one rank only (values are bytes-like: this rank's own reads as ``bytes``, the others'
-    read-only ``memoryview`` s into the exchange's receive buffers, never copied here; drop each
-    once decoded, so its buffer can be freed). A collective: every rank calls it with the same receipts, in any order
+    by one rank only (values are ``memoryview`` s, never copies: this rank's own downloads are
+    views into the one writable buffer they were streamed into, the others' views into the
+    exchange's receive buffers, writable where this rank owns them alone (gloo), so the decoder
+    may build the staged tensors as views into them instead of copying; drop each once decoded,
+    so its buffer can be freed). A collective: every rank calls it with the same receipts, in any order
     (ranks that name different sets raise :class:`DistributedError`, all of them).
 
     ``error``: this rank failed before it could take part (e.g. its own shard is not in the
@@ -89,21 +93,19 @@ def read_shared(
             after the exchange) bytes received differ from the receipts' sizes or CRC32C.
     """
     plan = plan_shared(receipts, comm.world_size)
-    read: dict[str, bytes] = {}  # this rank's own downloads
     verdict: dict[str, Any] = {"plan": plan.digest}
     mine = plan.owned[comm.rank]
-    for r in mine:
-        if error is not None:
-            break
+    contribution: Buffer = b""
+    if error is None and mine:
         try:
-            read[r.key] = reader.read_shard(r)
+            contribution = _download(reader, mine, plan.sizes[comm.rank])
         except Exception as exc:  # noqa: BLE001 - classified by the one damage rule, agreed below
             error = exc
     if error is not None:
         verdict["damaged" if is_damage(error) else "fatal"] = encode_error(error)
     agree(comm, verdict, _decide_reads, f"{what}: reading the shared shards")
-    # one shard (the usual case at scale, W shards on W ranks) is sent as is, without a copy
-    contribution = read[mine[0].key] if len(mine) == 1 else b"".join(read[r.key] for r in mine)
+    # this rank's own shards: views into the one buffer they were downloaded into
+    read, _ = _split(memoryview(contribution), mine, check=False)
     blobs = comm.all_gather_bytes(contribution, plan.sizes, f"{what}: the shared shards")
     del contribution
     got, corrupt = check_received(blobs, plan, skip=comm.rank)
@@ -172,17 +174,62 @@ def check_received(
         if blob.nbytes != plan.sizes[src]:
             corrupt.append((src, f"{blob.nbytes} bytes from rank {src}, {plan.sizes[src]} expected"))
             continue
-        offset = 0
-        for r in receipts_of:
-            # no copy: a view into the receive buffer
-            data = blob[offset : offset + r.size]
-            offset += r.size
+        got, bad = _split(blob, receipts_of, check=True)
+        verified.update(got)
+        corrupt.extend((src, f"{key} from rank {src}: {message}") for key, message in bad)
+    return verified, corrupt
+
+
+def _split(
+    blob: memoryview, receipts: Sequence[ShardReceipt], *, check: bool
+) -> tuple[dict[str, Buffer], list[tuple[str, str]]]:
+    """``blob`` (one contribution, laid out as ``receipts``) cut into its shards, views and never
+    copies; with ``check``, each one's CRC32C checked against its receipt (one pass over the
+    bytes) and a failing one left out, as ``(key, message)``."""
+    out: dict[str, Buffer] = {}
+    bad: list[tuple[str, str]] = []
+    offset = 0
+    for r in receipts:
+        data = blob[offset : offset + r.size]
+        offset += r.size
+        if check:
             crc = crc32c_b64(data)
             if crc != r.crc32c:
-                corrupt.append((src, f"{r.key} from rank {src}: {len(data)} bytes, CRC32C {crc}"))
+                bad.append((r.key, f"{data.nbytes} bytes, CRC32C {crc}"))
                 continue
-            verified[r.key] = data
-    return verified, corrupt
+        out[r.key] = data
+    return out, bad
+
+
+def _download(reader: Reader, receipts: Sequence[ShardReceipt], size: int) -> Buffer:
+    """This rank's shards of the exchange, each streamed (size and CRC32C verified,
+    :meth:`Reader.open_shard`) straight into its place in one buffer of ``size`` bytes: the
+    contribution it sends and the memory its own shards are decoded from (no joined copy, no
+    second buffer). Anonymous ``mmap``: page-aligned, writable, not zero-filled up front, and
+    handed back to the system as soon as the last view of it is dropped.
+
+    Raises:
+        ChecksumMismatchError: a shard streamed more or fewer bytes than its receipt, or
+            different ones; NotFoundError and the store's errors, from the stream.
+    """
+    if not size:
+        return b""
+    buf = mmap.mmap(-1, size)
+    view = memoryview(buf)
+    offset = 0
+    for r in receipts:
+        end = offset + r.size
+        for chunk in reader.open_shard(r):
+            n = len(chunk)
+            if offset + n > end:
+                raise ChecksumMismatchError(f"{r.key}: the store sent more than the receipt's {r.size} bytes")
+            view[offset : offset + n] = chunk
+            offset += n
+        if offset != end:  # the verifying stream raises first; never decode a short shard
+            raise ChecksumMismatchError(
+                f"{r.key}: the store sent {r.size - (end - offset)} of {r.size} bytes"
+            )
+    return view
 
 
 def _digest(receipts: Sequence[ShardReceipt]) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import mmap
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -43,7 +44,7 @@ import torch
 
 from .._crc import Buffer
 from ..coordination.comm import Comm, LocalComm, exchange_rounds
-from ..defaults import EXCHANGE_BUDGET, HANDSHAKE_TIMEOUT, TIMEOUT
+from ..defaults import EXCHANGE_BROADCAST_MAX_WORLD, EXCHANGE_BUDGET, HANDSHAKE_TIMEOUT, TIMEOUT
 from ..errors import DistributedError
 
 __all__ = ["DistComm", "make_comm"]
@@ -59,8 +60,9 @@ class DistComm(Comm):
 
     Construction calls ``torch.distributed.new_group`` twice (three times with ``background``):
     it is itself a collective on the default group, so every rank must construct it, in the
-    same order, with the same ``background``. ``exchange_budget``: the padded bytes one round
-    of :meth:`all_gather_bytes` may hold (the same on every rank). With ``ranks`` (the members of a subgroup, e.g. a
+    same order, with the same ``background``. ``exchange_budget``: the bytes one collective of
+    :meth:`all_gather_bytes` may move (the same on every rank); ``broadcast_max_world``: up
+    to this world size it broadcasts each rank's bytes, above it it all-gathers (see there). With ``ranks`` (the members of a subgroup, e.g. a
     DCP ``process_group``) the groups span only those ranks, only they construct it, and
     ``rank``/``world_size`` are the ranks within them.
     """
@@ -73,6 +75,7 @@ class DistComm(Comm):
         background: bool = False,
         ranks: list[int] | None = None,
         exchange_budget: int = EXCHANGE_BUDGET,
+        broadcast_max_world: int = EXCHANGE_BROADCAST_MAX_WORLD,
     ) -> None:
         dist = torch.distributed
         members = sorted(ranks) if ranks is not None else None
@@ -84,6 +87,7 @@ class DistComm(Comm):
         self.timeout = timeout
         self.handshake_timeout = handshake_timeout
         self.exchange_budget = exchange_budget
+        self.broadcast_max_world = broadcast_max_world
         self._broken: str | None = None
         self._owner = True
         self._background_view: DistComm | None = None
@@ -114,6 +118,7 @@ class DistComm(Comm):
             view.rank, view.world_size = self.rank, self.world_size
             view.timeout = view.handshake_timeout = self.timeout
             view.exchange_budget = self.exchange_budget
+            view.broadcast_max_world = self.broadcast_max_world
             view._broken = None  # its own state: a failure there says nothing about our groups
             view._owner = False  # the owner destroys the group
             view._background_view = None
@@ -203,22 +208,29 @@ class DistComm(Comm):
             raise DistributedError(f"{what}: rank {src} has no bytes to send")
         return self._broadcast_raw((data or b"") if self.rank == src else b"", what, False, src)
 
-    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[Buffer]:
-        """Every rank's bytes on every rank (see :meth:`Comm.all_gather_bytes`): one gloo
-        all-gather of uint8 tensors per round of :func:`exchange_rounds` over the data group, and
-        no length collective (every rank knows ``sizes``). No collective at all when every size is
-        0.
+    def _all_gather_bytes(self, mine: Buffer, sizes: list[int], what: str) -> Sequence[Buffer]:
+        """Every rank's bytes on every rank (see :meth:`Comm.all_gather_bytes`) over the data
+        group, with no length collective (every rank knows ``sizes``); no collective at all when
+        every size is 0. Other ranks' entries are writable ``memoryview`` s this rank alone owns,
+        never copies (the decoder builds tensors as views into them).
 
-        Other ranks' entries are read-only ``memoryview`` s, never copies: with one round, views
-        into the one buffer the all-gather received into (``world_size x width`` bytes, kept
-        alive by the views); with several rounds, views of one buffer per rank allocated before
-        the first round, each round received into one reused round buffer and copied once into
-        place. Memory on each rank, beyond ``mine``: one round's gathered buffer (``world_size x
-        width <= max(exchange_budget, world_size)`` bytes, ``exchange_budget``:
-        :data:`objckpt.defaults.EXCHANGE_BUDGET` unless set on the communicator) plus its own
-        ``width``-byte input, and with several rounds the other ranks' bytes. A contribution
-        larger than ``exchange_budget / world_size`` takes ``ceil(max(sizes) x world_size /
-        exchange_budget)`` collectives in all."""
+        Up to ``broadcast_max_world`` ranks (:data:`objckpt.defaults.EXCHANGE_BROADCAST_MAX_WORLD`):
+        each contributing rank broadcasts its bytes, in pieces of at most ``exchange_budget``,
+        straight from ``mine`` into one exact buffer per source on the others (no padding, no
+        copy, nothing but the received bytes themselves; ``sum(ceil(size / budget))``
+        collectives). Measured on gloo over loopback at 2 ranks x 128 MiB: 0.3 s against 0.7 s
+        for one all-gather of the same bytes (issue 14).
+
+        Above it: one all-gather of uint8 tensors per round of :func:`exchange_rounds` (a
+        ring, whatever the world size): with one round, views into the one buffer the
+        all-gather received into (``world_size x width`` bytes, padding included, kept alive by
+        the views); with several, one buffer per rank allocated before the first round, each
+        round received into one reused round buffer (``world_size x width <=
+        max(exchange_budget, world_size)`` bytes) and copied once into place."""
+        if not any(sizes):
+            return [mine if r == self.rank else b"" for r in range(self.world_size)]
+        if self.world_size <= self.broadcast_max_world:
+            return self._run(what, False, lambda: self._broadcast_each(mine, sizes))
         rounds = exchange_rounds(sizes, self.exchange_budget)
         group = self._data
 
@@ -231,31 +243,50 @@ class DistComm(Comm):
             if len(rounds) == 1:
                 _, width = rounds[0]
                 received = _gather_round(
-                    gather, group, mine, 0, width, bytearray(self.world_size * width), self.world_size
+                    gather, group, mine, 0, width, _empty(self.world_size * width), self.world_size
                 )
                 # the views keep ``received`` alive: one receive buffer, no copy per rank
-                flat = memoryview(received).toreadonly()
                 for r, n in enumerate(sizes):
                     if r != self.rank and n:
-                        out[r] = flat[r * width : r * width + n]
+                        out[r] = received[r * width : r * width + n]
                 return out
-            parts = {r: bytearray(n) for r, n in enumerate(sizes) if r != self.rank and n}
-            round_buffer = bytearray(self.world_size * rounds[0][1])  # the widest round: the first
+            parts = {r: _empty(n) for r, n in enumerate(sizes) if r != self.rank and n}
+            round_buffer = _empty(self.world_size * rounds[0][1])  # the widest round: the first
             for offset, width in rounds:
-                received = _gather_round(gather, group, mine, offset, width, round_buffer, self.world_size)
-                flat = memoryview(received)
+                flat = _gather_round(gather, group, mine, offset, width, round_buffer, self.world_size)
                 for r, part in parts.items():
                     take = min(width, sizes[r] - offset)
                     if take > 0:
                         part[offset : offset + take] = flat[r * width : r * width + take]
-                del flat, received
+                del flat
             for r, part in parts.items():
-                out[r] = memoryview(part).toreadonly()
+                out[r] = part
             return out
 
-        if not rounds:
-            return [mine if r == self.rank else b"" for r in range(self.world_size)]
         return self._run(what, False, go)
+
+    def _broadcast_each(self, mine: Buffer, sizes: list[int]) -> list[Buffer]:
+        """The broadcast transport of :meth:`_all_gather_bytes`: each source's bytes in pieces of
+        at most ``exchange_budget``, received straight into their final place."""
+        dist = torch.distributed
+        step = max(1, self.exchange_budget)
+        out: list[Buffer] = []
+        for src, n in enumerate(sizes):
+            if src == self.rank:
+                out.append(mine)
+                buffer = memoryview(mine).cast("B") if n else memoryview(b"")
+            else:
+                buffer = _empty(n) if n else memoryview(b"")
+                out.append(buffer if n else b"")
+            for start in range(0, n, step):
+                piece = buffer[start : start + step]
+                # the source's piece is only read by the broadcast, so torch's warning about a
+                # read-only buffer (``mine`` may be bytes) does not apply
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    tensor = torch.frombuffer(piece, dtype=torch.uint8)
+                dist.broadcast(tensor, group=self._data, group_src=src)
+        return out
 
     def close(self) -> None:
         """Destroy the gloo groups (owner only); idempotent, never raises."""
@@ -276,16 +307,16 @@ class DistComm(Comm):
 def _gather_round(
     gather: Callable[..., Any],
     group: Any,
-    mine: bytes,
+    mine: Buffer,
     offset: int,
     width: int,
-    buffer: bytearray,
+    buffer: memoryview,
     world_size: int,
 ) -> memoryview:
     """One round of the exchange: every rank's ``width`` bytes from ``offset`` (this rank's
     sent straight from ``mine``, or zero-padded when it has fewer), received straight into the
     first ``world_size x width`` bytes of ``buffer``; returns a view of them."""
-    piece = memoryview(mine)[offset : offset + width]
+    piece = memoryview(mine).cast("B")[offset : offset + width]
     if piece.nbytes == width and piece.nbytes:
         # sent from ``mine`` itself, no copy: the all-gather only reads its input, so torch's
         # warning about a read-only buffer does not apply
@@ -296,9 +327,16 @@ def _gather_round(
         padded = bytearray(width)
         padded[: piece.nbytes] = piece
         source = torch.frombuffer(padded, dtype=torch.uint8)
-    view = memoryview(buffer)[: world_size * width]
+    view = buffer[: world_size * width]
     gather(torch.frombuffer(view, dtype=torch.uint8), source, group=group)
     return view
+
+
+def _empty(n: int) -> memoryview:
+    """``n`` writable bytes to receive into: anonymous ``mmap`` memory (page-aligned, not
+    zero-filled up front, unlike ``bytearray(n)``; its pages are touched once, by the receive),
+    unmapped when the last view of it is dropped."""
+    return memoryview(mmap.mmap(-1, n))
 
 
 def make_comm(

@@ -48,6 +48,7 @@ from ..manifest import Manifest, Reference, ShardReceipt
 from ..reader import Reader
 from ..writer import ShardWriter
 from . import dedup, replicated, serialization
+from ._borrowed_decode import decode_borrowed, detach
 from ._elastic_restore import apply_elastic_rule, refuse_unpartitionable_positions
 from ._ranged_restore import decode_ranged, ranged_applies
 from .codec import CompressionPolicy
@@ -311,8 +312,11 @@ def stage(
 
     A shard larger than one of the store's parts is read by ranged GETs straight into freshly
     allocated tensors, every byte CRC32C-checked against its receipt before the tree is built
-    (:mod:`._ranged_restore`, which states its memory); smaller shards, compressed ones and
-    those shared over ``comm`` are decoded from their verified stream.
+    (:mod:`._ranged_restore`, which states its memory); smaller shards and compressed ones are
+    decoded from their verified stream; those shared over ``comm`` (held whole, verified, in a
+    buffer this rank owns) are decoded in place: their tensors are views into that buffer
+    (:mod:`._borrowed_decode`), not a second copy, and state other than a module's is copied
+    out of it (an optimizer would keep the views, and with them the whole buffer).
 
     ``strict=False``: see :func:`.state.check_restorable`; what was not loaded is in the
     returned ``report``.
@@ -375,6 +379,9 @@ def stage(
     receipts = [*rank_receipts, *rep_receipts]
 
     resolver = dedup.resolver_for(reader.store, manifest) if manifest.references else None
+    # storages of staged tensors that are views into a shard buffer (decode_borrowed)
+    borrowed: set[int] = set()
+    borrowed_lock = threading.Lock()
 
     def read(receipt: ShardReceipt) -> Any:
         body = shared.pop(receipt.key, None)  # verified already (exchange); freed once decoded
@@ -388,6 +395,14 @@ def stage(
             dedup.remember(reader.store, manifest.step, manifest.attempt, receipt.rank, receipt.name, header)
 
         try:
+            if body is not None and not memoryview(body).readonly:
+                # this rank's own buffer (its download, or the exchange's receive buffer): the
+                # staged tensors become views into it instead of a second copy (issue 14)
+                views: set[int] = set()
+                tree = decode_borrowed(body, resolver=resolver, on_header=keep, borrowed=views)
+                with borrowed_lock:
+                    borrowed.update(views)
+                return tree
             if body is None and ranged_applies(reader.store, receipt):
                 # None: a shard this path does not read (compressed chunks), streamed below
                 decoded = decode_ranged(reader.store, receipt, resolver=resolver, on_header=keep)
@@ -424,7 +439,16 @@ def stage(
             if rng is not None:
                 rng = derive_global_rng(rng, rank=rank, step=manifest.step)
     if wanted_rep:
-        items.update(replicated.join(decoded[len(rank_receipts) :], wanted_rep))
+        joined = replicated.join(decoded[len(rank_receipts) :], wanted_rep)
+        del decoded
+        for name in wanted_rep:
+            # a module's load_state_dict copies into the live parameters, so its staged tensors
+            # may stay views into the shard buffers (freed once the staged state is dropped);
+            # anything else may keep what it is given (an optimizer keeps its state tensors), so
+            # it gets storages of its own rather than pinning a whole buffer for good
+            if borrowed and name in joined and classify(name, state[name]) != MODULE:
+                joined[name] = detach(joined[name], borrowed)
+        items.update(joined)
     checked = check_restorable(state, items, rng=rng, strict=strict)
     report.missing_keys, report.unexpected_keys = checked.missing_keys, checked.unexpected_keys
     report.missing_entries = checked.missing_entries

@@ -15,7 +15,7 @@ import pytest
 
 from objckpt import layout
 from objckpt.coordination import ThreadWorld
-from objckpt.coordination.comm import Comm
+from objckpt.coordination.comm import Comm, ThreadComm
 from objckpt.coordination.exchange import assign, check_received, plan_shared, read_shared
 from objckpt.coordination.restore import RestoreSession
 from objckpt.errors import (
@@ -117,6 +117,44 @@ def test_every_rank_gets_every_shard_and_each_is_downloaded_once():
     assert total == sum(r.size for r in receipts)  # the job reads each unique byte once
     assert max(per_rank_bytes) <= total / WORLD + max(r.size for r in receipts)
     assert all(s.counts["list_page"] == 0 for s in stores)
+
+
+class _Spy(ThreadComm):
+    """A ThreadComm that keeps what this rank handed to the byte exchange."""
+
+    sent: Any = None
+
+    def all_gather_bytes(self, data: Any, sizes: Sequence[int], what: str) -> Sequence[Any]:
+        self.sent = data
+        return super().all_gather_bytes(data, sizes, what)
+
+
+def test_a_rank_streams_its_shards_into_one_writable_buffer_and_sends_that_very_buffer():
+    """Issue 14: a rank's own shards are streamed straight into one buffer (no joined copy of
+    them: it was ``b"".join`` per shard, then one more join for the contribution); that buffer is
+    what the exchange sends, and what the rank returns for those shards are views into it,
+    writable, so the decoder can build the staged tensors on it instead of copying."""
+    inner = memory_store()
+    receipts = _write_shared(inner, [4000, 3000, 2500, 1000, 900, 800, 700, 100])
+    owners = assign(receipts, WORLD)
+    spies: dict[int, _Spy] = {}
+
+    def rank(comm: Comm) -> Any:
+        assert isinstance(comm, ThreadComm)
+        spy = spies[comm.rank] = _Spy(comm.world, comm.rank)
+        return read_shared(spy, Reader(inner), receipts, "test")
+
+    results = _run(WORLD, rank)
+    for r, got in enumerate(results):
+        assert got == {x.key: inner.get(x.key) for x in receipts}
+        mine = [x for x in receipts if owners[x.key] == r]
+        sent = spies[r].sent
+        assert mine and isinstance(sent, memoryview) and sent.nbytes == sum(x.size for x in mine)
+        for x in mine:
+            view = got[x.key]
+            assert isinstance(view, memoryview) and not view.readonly
+            assert view.obj is sent.obj  # a view into the buffer sent, not a copy of it
+    assert max(sum(owners[x.key] == r for x in receipts) for r in range(WORLD)) >= 2  # one holds several
 
 
 def test_a_damaged_shard_is_the_same_damage_on_every_rank():

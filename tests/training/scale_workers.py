@@ -74,13 +74,15 @@ def _owner(b: Any) -> Any:
     return b.obj if isinstance(b, memoryview) else b
 
 
-def all_gather_bytes(rank: int, world_size: int, out: str, budget: int) -> None:
+def all_gather_bytes(rank: int, world_size: int, out: str, budget: int, broadcast_max_world: int) -> None:
     """DistComm.all_gather_bytes of uneven sizes (one rank empty) under ``budget``: every rank's
     bytes and the collectives it took."""
     from objckpt.training.dist import DistComm
 
     sizes = [(0, 50, 7, 1)[r % 4] for r in range(world_size)]
-    comm = DistComm(timeout=60, handshake_timeout=60, exchange_budget=budget)
+    comm = DistComm(
+        timeout=60, handshake_timeout=60, exchange_budget=budget, broadcast_max_world=broadcast_max_world
+    )
     mine = bytes((rank * 31 + i) % 256 for i in range(sizes[rank]))
     with counting_collectives() as counts:
         got = comm.all_gather_bytes(mine, sizes, "test")
@@ -95,6 +97,7 @@ def all_gather_bytes(rank: int, world_size: int, out: str, budget: int) -> None:
         "counts": dict(counts),
         "own_is_mine": got[rank] is mine,
         "owners": owners,
+        "writable": [r != rank and isinstance(b, memoryview) and not b.readonly for r, b in enumerate(got)],
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(outcome))
 

@@ -48,6 +48,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
+from ..._crc import Buffer
 from ...coordination.comm import Comm, ThreadComm, ThreadWorld, exchange_rounds
 from ...defaults import EXCHANGE_BUDGET
 from ...errors import DistributedError
@@ -421,7 +422,7 @@ class SimComm(Comm):
             tl.advance_to(t)
         return cast("bytes", got)
 
-    def _all_gather_bytes(self, mine: bytes, sizes: list[int], what: str) -> Sequence[bytes]:
+    def _all_gather_bytes(self, mine: Buffer, sizes: list[int], what: str) -> Sequence[Buffer]:
         """Every rank's bytes, the very same list on every rank (one :meth:`SimWorld._meet`, the
         last arrival releases the others); each rank leaves at the last arrival plus the modelled
         cost of the gloo transport's rounds over the modelled (``byte_scale``d, for shard
@@ -438,7 +439,7 @@ class SimComm(Comm):
         t = m.t + sum(net.collective_s(self.world_size, self.world_size * width) for _, width in rounds)
         for tl in self._hosted:
             tl.advance_to(t)
-        return cast("list[bytes]", m.values)
+        return cast("list[Buffer]", m.values)
 
     def background(self) -> Comm:
         return self
