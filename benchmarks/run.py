@@ -14,7 +14,8 @@ Legs (see each module's docstring for exactly what is timed):
 3. ``file_bench``: ``file://`` vs DCP ``FileSystemWriter``/``FileSystemReader`` (goal >= 1.0);
 4. async save (``CheckpointManager.save_async``) and ``async_bench``: training-step slowdown of a
    toy CPU loop while a save is in flight, thread uploader vs DCP's checkpoint process;
-5. ``mem_bench``: peak extra memory of a save against the state size;
+5. ``mem_bench``: peak extra memory of a save against the state size, and of a read-once
+   restore on 2 and 4 gloo ranks against the replicated state (goal <= 1.1x);
 6. ``resolve_bench``: requests and time of resolve-latest vs number of checkpoints;
 7. ``gpu_bench``: CUDA staging and ``save_async`` blocking (skipped, with the reason, without CUDA);
 8. the issue-14 table (``scoreboard``): every path against its peer, DCP-vs-DCP rows included
@@ -65,6 +66,8 @@ MODES = {
         "runs": 3,
         "worlds": [1, 2],
         "mem_mib": [64, 256],
+        "mem_ranks": [2],
+        "mem_rep_mib": 64,
         "resolve": [10, 100, 1000],
         "file_mib": 64,
     },
@@ -74,6 +77,8 @@ MODES = {
         "runs": 3,
         "worlds": [1, 2],
         "mem_mib": [64, 256, 512],
+        "mem_ranks": [2, 4],
+        "mem_rep_mib": 256,
         "resolve": [10, 100, 1000],
         "file_mib": 512,
     },
@@ -183,6 +188,14 @@ def mem_leg(mode: dict[str, Any], s3_kind: str | None, endpoint: str | None) -> 
                 r["server"] = srv.label
                 rows.append(r)
     return rows
+
+
+def mem_ranks_leg(mode: dict[str, Any]) -> list[dict[str, Any]]:
+    """The multi-rank read-once restore's peak memory (``mem_bench --ranks``), file://."""
+    from benchmarks.mem_bench import measure_ranks
+
+    log(f"memory leg, read-once restore on {mode['mem_ranks']} gloo ranks, {mode['mem_rep_mib']} MiB")
+    return measure_ranks(mode["mem_ranks"], mode["mem_rep_mib"], max(3, mode["runs"]))
 
 
 def resolve_leg(mode: dict[str, Any], kind: str, endpoint: str | None) -> dict[str, Any]:
@@ -412,6 +425,19 @@ def render(results: dict[str, Any]) -> str:
                 "the bound)."
             )
     add("")
+    ranks_rows = results.get("memory_ranks", [])
+    if ranks_rows:
+        from benchmarks.mem_bench import _ranks_report
+
+        add(
+            "Read-once restore at several gloo ranks (`mem_bench --ranks`, file://): per rank, peak RSS "
+            "during `CheckpointManager.restore` over RSS just before it; goal: the worst rank's extra "
+            "<= 1.1x the replicated state (the staged copy only, not a second one for the exchange)."
+        )
+        add("")
+        for row in ranks_rows:
+            add(f"* {_ranks_report(row)}")
+        add("")
 
     # -- 6: resolve
     add("### 6. Resolve latest (`Reader.latest()`) vs number of committed checkpoints")
@@ -554,6 +580,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             results["memory"] = [{"store": "?", "mib": 0, "error": f"{type(exc).__name__}: {exc}"}]
+        try:
+            results["memory_ranks"] = mem_ranks_leg(mode)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            results["memory_ranks"] = [
+                {"ranks": 0, "state_bytes": 0, "error": f"{type(exc).__name__}: {exc}"}
+            ]
     if "resolve" not in args.skip and first:
         try:
             results["resolve"] = resolve_leg(mode, first, endpoints.get(first))

@@ -107,6 +107,17 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, Series | None, str, bo
     # client CPU of rank 0: objckpt / bare GETs
     cpu = s3(1, "load", "raw", "dcp_objckpt", which=1)
     out.append(("DCP load client CPU, 1 rank, S3", "bare ranged GETs", cpu, "<= 1.5", False))
+    # peak memory of the read-once restore: the worst rank's extra RSS over the replicated state
+    for row in results.get("memory_ranks", []):
+        if not row.get("ranks"):
+            continue
+        ratio = None
+        if "error" not in row and row.get("runs"):
+            ratio = Series([max(r["extra_rss"] for r in run) / row["state_bytes"] for run in row["runs"]])
+        out.append((
+            f"CheckpointManager restore peak memory, {row['ranks']} ranks, read once (file://)",
+            "the replicated state's size", ratio, "<= 1.1", False,
+        ))  # fmt: skip
     return out
 
 

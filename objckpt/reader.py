@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from . import layout
+from ._crc import crc32c_combine, crc32c_of, encode_crc32c
 from .errors import (
+    ChecksumMismatchError,
     DistributedError,
     ManifestError,
     NoCheckpointError,
@@ -37,6 +39,10 @@ from .manifest import MAX_MANIFEST_BYTES, Manifest, Pointer, Reference, ShardRec
 from .store.base import Store
 
 __all__ = ["Problem", "Reader", "agree_on_step"]
+
+#: the most bytes one buffer handed to ``Store.get_into`` holds (the S3 client receives each
+#: buffer through a temporary of its size)
+_SLICE_BYTES = 1024 * 1024
 
 log = logging.getLogger("objckpt.reader")
 
@@ -285,6 +291,76 @@ class Reader:
             NotFoundError: the shard is gone.
         """
         return b"".join(self.open_shard(receipt))
+
+    def read_shard_into(self, receipt: ShardReceipt, dest: memoryview) -> None:
+        """A shard's bytes straight into ``dest`` (writable, exactly ``receipt.size`` bytes),
+        verified against its receipt's size and CRC32C. A shard larger than one of the store's
+        parts is read by ranged GETs of at most ``part_size``, ``read_concurrency`` (S3) or
+        ``max_in_flight`` at a time, each received in place (``Store.get_into``) and
+        checksummed on the thread that read it, the pieces combined in order; a smaller one is
+        streamed (:meth:`open_shard`: one GET). No memory beyond ``dest`` but the store's own
+        per-request buffers (at most one :data:`_SLICE_BYTES` slice each, where it receives
+        into memory).
+
+        Atomicity: on failure ``dest`` holds some of the bytes; nothing else is written.
+
+        Raises:
+            ChecksumMismatchError: a short read, or bytes that differ from the receipt.
+            NotFoundError: the shard is gone.
+        """
+        view = memoryview(dest).cast("B")
+        size = receipt.size
+        if view.nbytes != size:
+            raise ValueError(f"{receipt.key}: {view.nbytes} bytes to read {size} into")
+        if size <= self.store.part_size:
+            offset = 0
+            for chunk in self.open_shard(receipt):
+                n = len(chunk)
+                if offset + n > size:
+                    raise ChecksumMismatchError(
+                        f"{receipt.key}: the store sent more than the receipt's {size} bytes",
+                        key=receipt.key,
+                        location=self.store.location,
+                    )
+                view[offset : offset + n] = chunk
+                offset += n
+            if offset != size:  # the verifying stream raises first
+                raise ChecksumMismatchError(
+                    f"{receipt.key}: the store sent {offset} of {size} bytes",
+                    key=receipt.key,
+                    location=self.store.location,
+                )
+            return
+        layout.validate_key_in_root(receipt.key)
+        step = max(1, self.store.part_size)
+        ranges = [(start, min(start + step, size)) for start in range(0, size, step)]
+
+        def fetch(span: tuple[int, int]) -> int:
+            start, stop = span
+            part = view[start:stop]
+            slices = [part[i : i + _SLICE_BYTES] for i in range(0, stop - start, _SLICE_BYTES)]
+            got = self.store.get_into(receipt.key, start, slices)
+            if got != stop - start:
+                raise ChecksumMismatchError(
+                    f"ranged read [{start}, {stop}) returned {got} bytes (shard truncated?)",
+                    key=receipt.key,
+                    location=self.store.location,
+                )
+            return crc32c_of(part)
+
+        concurrency = getattr(self.store, "read_concurrency", None)
+        window = max(1, concurrency if isinstance(concurrency, int) else self.store.max_in_flight)
+        with ThreadPoolExecutor(min(window, len(ranges)), thread_name_prefix="objckpt-read-into") as pool:
+            crcs = list(pool.map(fetch, ranges))
+        crc = 0
+        for (start, stop), part_crc in zip(ranges, crcs, strict=True):
+            crc = crc32c_combine(crc, part_crc, stop - start)
+        if encode_crc32c(crc) != receipt.crc32c:
+            raise ChecksumMismatchError(
+                f"CRC32C mismatch: read {encode_crc32c(crc)}, receipt says {receipt.crc32c}",
+                key=receipt.key,
+                location=self.store.location,
+            )
 
     def open_shard(self, receipt: ShardReceipt | Reference) -> Iterator[bytes]:
         """Stream a shard; the final ``next()`` raises :class:`ChecksumMismatchError` on a size or

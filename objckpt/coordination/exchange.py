@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._crc import Buffer, crc32c_b64
-from ..errors import ChecksumMismatchError, DistributedError, decode_error, encode_error, is_damage, with_rank
+from ..errors import DistributedError, decode_error, encode_error, is_damage, with_rank
 from ..manifest import ShardReceipt
 from ..reader import Reader
 from .comm import Comm, agree
@@ -202,33 +202,23 @@ def _split(
 
 
 def _download(reader: Reader, receipts: Sequence[ShardReceipt], size: int) -> Buffer:
-    """This rank's shards of the exchange, each streamed (size and CRC32C verified,
-    :meth:`Reader.open_shard`) straight into its place in one buffer of ``size`` bytes: the
-    contribution it sends and the memory its own shards are decoded from (no joined copy, no
-    second buffer). Anonymous ``mmap``: page-aligned, writable, not zero-filled up front, and
+    """This rank's shards of the exchange, each read (size and CRC32C verified; by parallel
+    ranged GETs when larger than a part, :meth:`Reader.read_shard_into`) straight into its
+    place in one buffer of ``size`` bytes: the contribution it sends and the memory its own
+    shards are decoded from (no joined copy, no second buffer). Anonymous ``mmap``: page-aligned, writable, not zero-filled up front, and
     handed back to the system as soon as the last view of it is dropped.
 
     Raises:
-        ChecksumMismatchError: a shard streamed more or fewer bytes than its receipt, or
-            different ones; NotFoundError and the store's errors, from the stream.
+        ChecksumMismatchError: a shard read with more or fewer bytes than its receipt, or
+            different ones; NotFoundError and the store's errors.
     """
     if not size:
         return b""
-    buf = mmap.mmap(-1, size)
-    view = memoryview(buf)
+    view = memoryview(mmap.mmap(-1, size))
     offset = 0
     for r in receipts:
-        end = offset + r.size
-        for chunk in reader.open_shard(r):
-            n = len(chunk)
-            if offset + n > end:
-                raise ChecksumMismatchError(f"{r.key}: the store sent more than the receipt's {r.size} bytes")
-            view[offset : offset + n] = chunk
-            offset += n
-        if offset != end:  # the verifying stream raises first; never decode a short shard
-            raise ChecksumMismatchError(
-                f"{r.key}: the store sent {r.size - (end - offset)} of {r.size} bytes"
-            )
+        reader.read_shard_into(r, view[offset : offset + r.size])
+        offset += r.size
     return view
 
 

@@ -157,6 +157,31 @@ def test_a_rank_streams_its_shards_into_one_writable_buffer_and_sends_that_very_
     assert max(sum(owners[x.key] == r for x in receipts) for r in range(WORLD)) >= 2  # one holds several
 
 
+def test_a_shard_larger_than_a_part_is_read_by_ranged_gets_in_place_and_verified():
+    """Issue 14: a rank's own shard larger than one of the store's parts is read by parallel
+    ranged GETs of at most ``part_size`` (it was one streamed GET: at 2 ranks x 256 MiB on
+    LocalStack, one stream per rank was the slowest leg of the restore), each straight into
+    its place; the bytes still verified against the receipt (a corrupt one is damage)."""
+    part = 4096
+    inner = memory_store(part_size=part)
+    receipts = _write_shared(inner, [5 * part + 7, 3 * part, part - 1, 2 * part + 1])
+    stores = [CountingStore(inner) for _ in range(WORLD)]
+
+    def rank(comm: Comm) -> Any:
+        return read_shared(comm, Reader(stores[comm.rank]), receipts, "test")
+
+    results = _run(WORLD, rank)
+    assert all(got == {x.key: inner.get(x.key) for x in receipts} for got in results)
+    opened = collections.Counter(k for s in stores for op, k in s.calls if op == "open")
+    assert opened == {x.key: max(1, -(-x.size // part)) if x.size > part else 1 for x in receipts}
+
+    bad = receipts[0]  # the largest: read by ranges
+    inner.delete([bad.key])
+    inner.put(bad.key, b"\x00" * bad.size)  # same size, other bytes
+    results = _run(WORLD, lambda comm: read_shared(comm, Reader(inner), receipts, "test"))
+    assert all(isinstance(r, ChecksumMismatchError) and is_damage(r) for r in results), results
+
+
 def test_a_damaged_shard_is_the_same_damage_on_every_rank():
     inner = memory_store()
     receipts = _write_shared(inner, [1000, 900, 800, 700])
