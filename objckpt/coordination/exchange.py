@@ -46,6 +46,9 @@ from .comm import Comm, agree
 
 __all__ = ["SharedPlan", "assign", "check_received", "plan_shared", "read_shared"]
 
+#: contributions of at least this many bytes are downloaded into an anonymous mmap
+_MMAP_FROM = 1024 * 1024
+
 
 def assign(receipts: Sequence[ShardReceipt], world_size: int) -> dict[str, int]:
     """``key -> rank`` that reads it: largest shard first, each to the rank holding the fewest
@@ -205,8 +208,9 @@ def _download(reader: Reader, receipts: Sequence[ShardReceipt], size: int) -> Bu
     """This rank's shards of the exchange, each read (size and CRC32C verified; by parallel
     ranged GETs when larger than a part, :meth:`Reader.read_shard_into`) straight into its
     place in one buffer of ``size`` bytes: the contribution it sends and the memory its own
-    shards are decoded from (no joined copy, no second buffer). Anonymous ``mmap``: page-aligned, writable, not zero-filled up front, and
-    handed back to the system as soon as the last view of it is dropped.
+    shards are decoded from (no joined copy, no second buffer). From :data:`_MMAP_FROM` bytes an
+    anonymous ``mmap``: page-aligned, writable, not zero-filled up front, and handed back to the
+    system as soon as the last view of it is dropped.
 
     Raises:
         ChecksumMismatchError: a shard read with more or fewer bytes than its receipt, or
@@ -214,7 +218,9 @@ def _download(reader: Reader, receipts: Sequence[ShardReceipt], size: int) -> Bu
     """
     if not size:
         return b""
-    view = memoryview(mmap.mmap(-1, size))
+    # a small one in ordinary memory: an mmap is a mapping of its own, page-rounded (thousands
+    # of simulated ranks in one process each holding one would near the kernel's map limit)
+    view = memoryview(mmap.mmap(-1, size) if size >= _MMAP_FROM else bytearray(size))
     offset = 0
     for r in receipts:
         reader.read_shard_into(r, view[offset : offset + r.size])

@@ -31,16 +31,13 @@ import torch
 from .._crc import Buffer
 from ..tree import map_tree
 from ._chunked import read_header
-from ._chunked_decode import _check_entry, _plan_chunked, _resolve_remote
-from ._state_decode import _Decoder, _dest_view, decode_stream
+from ._chunked_decode import _plan_chunked, _resolve_remote
+from ._state_decode import _Decoder, _dest_view, check_array_table, check_data_size, decode_stream
 from .codec import decompress
 from .serialization import (
     _PREFIX,
-    ALIGN,
     CHUNKED_FORMAT_VERSION,
-    _align,
     _fail,
-    _is_int,
     _parse_header,
     _parse_prefix,
 )
@@ -88,37 +85,15 @@ def decode_borrowed(
     seen = borrowed if borrowed is not None else set()
     if header.get("version") == CHUNKED_FORMAT_VERSION:
         return _chunked(view, pos, read_range, resolver, on_header, seen)
-    data_start = _check_table(header, pos, total)
-    arrays = []
-    for i, e in enumerate(header["arrays"]):
-        kind, dt, shape, nbytes = _check_entry(i, e)
-        arrays.append(_borrow(view, data_start + e["offset"], kind, dt, shape, nbytes, seen))
+    # the copying decoder's checks (invariants 11 and 12), before anything is built
+    data_start, _ = check_data_size(header, pos, total)
+    arrays = [
+        _borrow(view, data_start + offset, kind, dt, shape, nbytes, seen)
+        for kind, dt, shape, nbytes, offset in check_array_table(
+            header.get("arrays"), header.get("data_size")
+        )
+    ]
     return _Decoder(arrays, header["version"]).node(header["tree"], 0)
-
-
-def _check_table(header: dict[str, Any], header_end: int, total: int) -> int:
-    """The checks of :func:`._state_decode.allocate_for` (the data size against the verified
-    shard's, every array's offset, size and dtype) without its allocation; returns where the
-    data starts."""
-    data_size = header.get("data_size")
-    if not _is_int(data_size) or data_size < 0:
-        raise _fail(f"bad data size {data_size!r}")
-    data_start = _align(header_end)
-    if data_start + data_size != total:
-        raise _fail(f"header describes {data_start + data_size} bytes but the shard has {total}")
-    entries = header.get("arrays")
-    if not isinstance(entries, list):
-        raise _fail("bad array table")
-    end = 0
-    for i, e in enumerate(entries):
-        _, _, _, nbytes = _check_entry(i, e)
-        offset = e.get("offset")
-        if not (_is_int(offset) and offset >= end):
-            raise _fail(f"array {i}: bad or overlapping offset/nbytes ({offset!r}, {nbytes!r})")
-        if offset % ALIGN or offset + nbytes > data_size:
-            raise _fail(f"array {i}: bytes [{offset}, {offset}+{nbytes}) lie outside the data")
-        end = offset + nbytes
-    return data_start
 
 
 def _borrow(

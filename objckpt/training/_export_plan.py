@@ -31,6 +31,7 @@ from ..reader import Reader
 from ..store import Store
 from . import serialization
 from ._export_io import SAFETENSORS_DTYPES, _Gather, _Piece, _Source, _Tensor
+from ._state_decode import check_array_table
 from .serialization import TensorRef, ViewRef
 
 _PREFIX = struct.Struct("<8sQ")
@@ -161,20 +162,10 @@ def _placeholder(kind: str, dt: Any, shape: list[int]) -> Any:
 
 
 def _placeholders(entries: Any, data_size: int) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Validate the array table (as decoding does: :func:`serialization._check_entry`, then the
-    offsets) and stand in :func:`_placeholder` for each array."""
-    if not isinstance(entries, list):
-        raise serialization._fail("bad array table")
-    out: list[Any] = []
-    end = 0
-    for i, e in enumerate(entries):
-        kind, dt, shape, nbytes = serialization._check_entry(i, e)
-        offset = e.get("offset")
-        if not (isinstance(offset, int) and offset >= end) or offset + nbytes > data_size:
-            raise serialization._fail(f"array {i}: bad offset/nbytes ({offset!r}, {nbytes!r})")
-        out.append(_placeholder(kind, dt, shape))
-        end = offset + nbytes
-    return entries, out
+    """Validate the array table as decoding does (:func:`._state_decode.check_array_table`) and
+    stand in :func:`_placeholder` for each array."""
+    checked = check_array_table(entries, data_size)
+    return entries, [_placeholder(kind, dt, shape) for kind, dt, shape, _, _ in checked]
 
 
 def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -46,11 +46,13 @@ except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
 
 
-def _alloc_arrays(entries: Any, data_size: Any) -> list[Any]:
-    """Validate the array table and allocate (uninitialised) destination arrays."""
+def check_array_table(entries: Any, data_size: Any) -> list[tuple[str, Any, list[int], int, int]]:
+    """Validate a format 1/2 array table against its data size (dtypes allow-listed, offsets
+    aligned, in order, not overlapping, inside the data): per array ``(kind, dtype, shape,
+    nbytes, offset)``. Raises SerializationError before anything is built from it."""
     if not isinstance(entries, list) or not _is_int(data_size) or data_size < 0:
         raise _fail("bad array table")
-    out: list[Any] = []
+    out: list[tuple[str, Any, list[int], int, int]] = []
     end = 0
     from ._chunked_decode import _check_entry  # that module imports this one's primitives
 
@@ -61,9 +63,33 @@ def _alloc_arrays(entries: Any, data_size: Any) -> list[Any]:
             raise _fail(f"array {i}: bad or overlapping offset/nbytes ({offset!r}, {nbytes!r})")
         if offset % ALIGN or offset + nbytes > data_size:
             raise _fail(f"array {i}: bytes [{offset}, {offset}+{nbytes}) lie outside the data")
-        out.append(torch.empty(shape, dtype=dt) if kind == "torch" else np.empty(shape, dtype=dt))
+        out.append((kind, dt, shape, nbytes, offset))
         end = offset + nbytes
     return out
+
+
+def _alloc_arrays(entries: Any, data_size: Any) -> list[Any]:
+    """Validate the array table and allocate (uninitialised) destination arrays."""
+    return [
+        torch.empty(shape, dtype=dt) if kind == "torch" else np.empty(shape, dtype=dt)
+        for kind, dt, shape, _, _ in check_array_table(entries, data_size)
+    ]
+
+
+def check_data_size(header: dict[str, Any], header_end: int, total_size: int | None) -> tuple[int, int]:
+    """Where a format 1/2 shard's data starts and the shard size its header describes, checked
+    against the verified ``total_size`` (when known). Raises SerializationError."""
+    data_size = header.get("data_size")
+    if not _is_int(data_size) or data_size < 0:
+        raise _fail(f"bad data size {data_size!r}")
+    data_start = _align(header_end)
+    expected = data_start + data_size
+    # Invariant 11: a size declared inside the stored object is checked against the verified
+    # receipt BEFORE anything is allocated from it, so a hostile header (a huge tensor with a
+    # self-consistent receipt) is rejected as damage instead of exhausting memory.
+    if total_size is not None and expected != total_size:
+        raise _fail(f"header describes {expected} bytes but the shard has {total_size}")
+    return data_start, expected
 
 
 def _dest_view(arr: Any) -> memoryview:
@@ -205,17 +231,8 @@ def allocate_for(
         SerializationError: a size that does not fit ``total_size`` or a malformed array table,
             before anything is allocated.
     """
-    data_size = header["data_size"]
-    if not _is_int(data_size) or data_size < 0:
-        raise _fail(f"bad data size {data_size!r}")
-    data_start = _align(header_end)
-    expected = data_start + data_size
-    # Invariant 11: a size declared inside the stored object is checked against the verified
-    # receipt BEFORE anything is allocated from it, so a hostile header (a huge tensor with a
-    # self-consistent receipt) is rejected as damage instead of exhausting memory.
-    if total_size is not None and expected != total_size:
-        raise _fail(f"header describes {expected} bytes but the shard has {total_size}")
-    arrays = _alloc_arrays(header["arrays"], data_size)
+    data_start, expected = check_data_size(header, header_end, total_size)
+    arrays = _alloc_arrays(header.get("arrays"), header.get("data_size"))
     targets = [
         (data_start + e["offset"], e["nbytes"], arrays[i])
         for i, e in enumerate(header["arrays"])

@@ -157,6 +157,36 @@ def test_a_rank_streams_its_shards_into_one_writable_buffer_and_sends_that_very_
     assert max(sum(owners[x.key] == r for x in receipts) for r in range(WORLD)) >= 2  # one holds several
 
 
+def test_only_a_large_contribution_gets_an_mmap_of_its_own(monkeypatch: Any):
+    """An anonymous mmap is a kernel mapping of its own: thousands of ranks in one process (the
+    scale simulator) each holding one for a few hundred bytes would near the map limit, so a
+    contribution below ``_MMAP_FROM`` is ordinary memory."""
+    import mmap
+
+    from objckpt.coordination import exchange
+
+    monkeypatch.setattr(exchange, "_MMAP_FROM", 2000)
+    inner = memory_store()
+    receipts = _write_shared(inner, [2500, 1000, 300, 0])
+    owners = assign(receipts, WORLD)
+    spies: dict[int, _Spy] = {}
+
+    def rank(comm: Comm) -> Any:
+        assert isinstance(comm, ThreadComm)
+        spy = spies[comm.rank] = _Spy(comm.world, comm.rank)
+        return read_shared(spy, Reader(inner), receipts, "test")
+
+    results = _run(WORLD, rank)
+    assert all(got == {x.key: inner.get(x.key) for x in receipts} for got in results)
+    for r in range(WORLD):
+        size = sum(x.size for x in receipts if owners[x.key] == r)
+        sent = spies[r].sent
+        if size >= 2000:
+            assert isinstance(sent, memoryview) and isinstance(sent.obj, mmap.mmap)
+        elif size:
+            assert isinstance(sent, memoryview) and isinstance(sent.obj, bytearray)
+
+
 def test_a_shard_larger_than_a_part_is_read_by_ranged_gets_in_place_and_verified():
     """Issue 14: a rank's own shard larger than one of the store's parts is read by parallel
     ranged GETs of at most ``part_size`` (it was one streamed GET: at 2 ranks x 256 MiB on
