@@ -16,9 +16,10 @@ leave once they have published (as a real sender does); rank 0 waits for the las
 ``broadcast`` / ``broadcast_bytes`` receiver waits for the source's thread only: every rank
 receives the very same ``bytes`` object of a byte broadcast. ``all_gather_bytes`` (the exchange
 of a restore that reads replicated state once) waits for every thread, and every rank gets the
-very same list; each leaves at the last arrival plus the cost of the gloo transport's rounds
-(:func:`~objckpt.coordination.comm.exchange_rounds` of the modelled sizes under
-``defaults.EXCHANGE_BUDGET``: ``collective_s`` of ``W x width`` bytes per round). A thread that
+very same list; each leaves at the last arrival plus the cost of what the gloo transport sends
+(up to ``defaults.EXCHANGE_BROADCAST_MAX_WORLD`` ranks ``collective_s`` of each contribution, one
+broadcast per source; above, :func:`~objckpt.coordination.comm.exchange_rounds` of the modelled
+sizes under ``defaults.EXCHANGE_BUDGET``: ``collective_s`` of ``W x width`` bytes per round). A thread that
 fails, or a wait longer than ``timeout``, breaks the world: every rank waiting in a collective,
 then or later, raises :class:`~objckpt.errors.DistributedError` naming the failure.
 
@@ -50,7 +51,7 @@ from typing import Any, TypeVar, cast
 
 from ..._crc import Buffer
 from ...coordination.comm import Comm, ThreadComm, ThreadWorld, exchange_rounds
-from ...defaults import EXCHANGE_BUDGET
+from ...defaults import EXCHANGE_BROADCAST_MAX_WORLD, EXCHANGE_BUDGET
 from ...errors import DistributedError
 from . import clock
 from .model import NetworkModel
@@ -425,8 +426,9 @@ class SimComm(Comm):
     def _all_gather_bytes(self, mine: Buffer, sizes: list[int], what: str) -> Sequence[Buffer]:
         """Every rank's bytes, the very same list on every rank (one :meth:`SimWorld._meet`, the
         last arrival releases the others); each rank leaves at the last arrival plus the modelled
-        cost of the gloo transport's rounds over the modelled (``byte_scale``d, for shard
-        payloads) sizes."""
+        cost of what the gloo transport sends for the modelled (``byte_scale``d, for shard
+        payloads) sizes: up to ``EXCHANGE_BROADCAST_MAX_WORLD`` ranks one broadcast per
+        contributing rank, above it rounds of one all-gather."""
         if self.world.group > 1:
             raise DistributedError(
                 f"{what}: ranks share threads here ({self.world.group} per thread), and hosted ranks "
@@ -435,8 +437,12 @@ class SimComm(Comm):
         m = self.world._meet(self._next(), self.rank, mine, self._arrived(), what, src=None, waits=True)
         net = self.world.network
         scale = net.byte_scale if getattr(_payloads, "on", False) else 1
-        rounds = exchange_rounds([round(n * scale) for n in sizes], EXCHANGE_BUDGET)
-        t = m.t + sum(net.collective_s(self.world_size, self.world_size * width) for _, width in rounds)
+        modelled = [round(n * scale) for n in sizes]
+        if self.world_size <= EXCHANGE_BROADCAST_MAX_WORLD:  # as DistComm: a broadcast per source
+            t = m.t + sum(net.collective_s(self.world_size, n) for n in modelled if n)
+        else:
+            rounds = exchange_rounds(modelled, EXCHANGE_BUDGET)
+            t = m.t + sum(net.collective_s(self.world_size, self.world_size * width) for _, width in rounds)
         for tl in self._hosted:
             tl.advance_to(t)
         return cast("list[Buffer]", m.values)
