@@ -129,6 +129,18 @@ class _Spy(ThreadComm):
         return super().all_gather_bytes(data, sizes, what)
 
 
+def _read_spied(store: Any, receipts: list[ShardReceipt]) -> tuple[list[Any], dict[int, _Spy]]:
+    """``read_shared`` on every rank, each through a :class:`_Spy`: the results and the spies."""
+    spies: dict[int, _Spy] = {}
+
+    def rank(comm: Comm) -> Any:
+        assert isinstance(comm, ThreadComm)
+        spy = spies[comm.rank] = _Spy(comm.world, comm.rank)
+        return read_shared(spy, Reader(store), receipts, "test")
+
+    return _run(WORLD, rank), spies
+
+
 def test_a_rank_streams_its_shards_into_one_writable_buffer_and_sends_that_very_buffer():
     """Issue 14: a rank's own shards are streamed straight into one buffer (no joined copy of
     them: it was ``b"".join`` per shard, then one more join for the contribution); that buffer is
@@ -137,14 +149,7 @@ def test_a_rank_streams_its_shards_into_one_writable_buffer_and_sends_that_very_
     inner = memory_store()
     receipts = _write_shared(inner, [4000, 3000, 2500, 1000, 900, 800, 700, 100])
     owners = assign(receipts, WORLD)
-    spies: dict[int, _Spy] = {}
-
-    def rank(comm: Comm) -> Any:
-        assert isinstance(comm, ThreadComm)
-        spy = spies[comm.rank] = _Spy(comm.world, comm.rank)
-        return read_shared(spy, Reader(inner), receipts, "test")
-
-    results = _run(WORLD, rank)
+    results, spies = _read_spied(inner, receipts)
     for r, got in enumerate(results):
         assert got == {x.key: inner.get(x.key) for x in receipts}
         mine = [x for x in receipts if owners[x.key] == r]
@@ -169,14 +174,7 @@ def test_only_a_large_contribution_gets_an_mmap_of_its_own(monkeypatch: Any):
     inner = memory_store()
     receipts = _write_shared(inner, [2500, 1000, 300, 0])
     owners = assign(receipts, WORLD)
-    spies: dict[int, _Spy] = {}
-
-    def rank(comm: Comm) -> Any:
-        assert isinstance(comm, ThreadComm)
-        spy = spies[comm.rank] = _Spy(comm.world, comm.rank)
-        return read_shared(spy, Reader(inner), receipts, "test")
-
-    results = _run(WORLD, rank)
+    results, spies = _read_spied(inner, receipts)
     assert all(got == {x.key: inner.get(x.key) for x in receipts} for got in results)
     for r in range(WORLD):
         size = sum(x.size for x in receipts if owners[x.key] == r)
