@@ -43,8 +43,13 @@ Asynchronous saves, 1 rank (``benchmarks.run`` adds these cases to the 1-rank wo
 ========================  ======================================================================
 
 A time is barrier-to-barrier on rank 0 (so the slowest rank counts). Each load is checked
-against the state's fingerprint (raw: byte count). Everything written in a run is deleted,
-untimed, before the next. Results go to a JSON file written by rank 0.
+against the state's fingerprint (raw: byte count). In each run every case saves, loads and has
+what it wrote deleted (untimed) before the next case starts, so every case meets the same server
+(the cases' order rotates run by run). Until 2026-12-02 a run did every case's save, then every
+load, then deleted: a save late in a run met a LocalStack holding the run's other saves (~2 GB at
+512 MiB and 5 cases), and with fewer runs than cases the rotation did not even out the places
+(at 8 cases and 3 runs ``objckpt`` saved 1st, 8th and 7th, ``s3tc`` 4th, 3rd and 2nd). Results
+go to a JSON file written by rank 0.
 
     python -m benchmarks.s3_bench --endpoint http://127.0.0.1:4566 --world-size 2 --mib 64
 """
@@ -427,8 +432,9 @@ class Bench:
             if res is not None:
                 res.close()
 
-    def cleanup(self, run: int) -> None:
-        prefixes = [self.prefix(c, run) + "/" for c in self.cfg["cases"]]
+    def cleanup(self, run: int, cases: list[str] | None = None) -> None:
+        """Delete what ``cases`` (default: every case) wrote in ``run``; a collective."""
+        prefixes = [self.prefix(c, run) + "/" for c in (self.cfg["cases"] if cases is None else cases)]
         self.world.barrier()
         if self.rank == 0:
             for prefix in prefixes:
@@ -474,12 +480,14 @@ def worker(cfg_path: str, rank: int) -> None:
     times: dict[str, dict[str, list[list[float]]]] = {c: {"save": [], "load": []} for c in cases}
     for run in range(cfg["runs"]):
         order = cases[run % len(cases) :] + cases[: run % len(cases)]
-        for op in ("save", "load"):
-            for case in order:
+        for case in order:
+            # each case saves, loads and is deleted before the next starts, so every save meets
+            # the same server (see the module docstring)
+            for op in ("save", "load"):
                 t = bench.one(case, op, run)
                 if t is not None:
                     times[case][op].append(list(t))
-        bench.cleanup(run)
+            bench.cleanup(run, [case])
     bench.close()
     if rank == 0:
         write_json(
