@@ -18,13 +18,14 @@ bytes. :func:`agree_on_step` is the collective check that every rank restored th
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from . import layout
-from ._crc import crc32c_combine, crc32c_of, encode_crc32c
+from . import _crc, layout
+from ._crc import crc32c_combine, encode_crc32c
 from .errors import (
     ChecksumMismatchError,
     DistributedError,
@@ -38,11 +39,72 @@ from .history import Head, History, Line
 from .manifest import MAX_MANIFEST_BYTES, Manifest, Pointer, Reference, ShardReceipt
 from .store.base import Store
 
-__all__ = ["Problem", "Reader", "agree_on_step"]
+__all__ = ["SLICE_BYTES", "Problem", "Reader", "agree_on_step", "read_ranges_into", "read_window"]
 
 #: the most bytes one buffer handed to ``Store.get_into`` holds (the S3 client receives each
 #: buffer through a temporary of its size)
-_SLICE_BYTES = 1024 * 1024
+SLICE_BYTES = 1024 * 1024
+
+
+def read_window(store: Store) -> int:
+    """How many ranges are read at once: the store's ``read_concurrency`` where it has one
+    (S3), else its ``max_in_flight``."""
+    concurrency = getattr(store, "read_concurrency", None)
+    return max(1, concurrency if isinstance(concurrency, int) else store.max_in_flight)
+
+
+def read_ranges_into(
+    store: Store,
+    key: str,
+    begin: int,
+    end: int,
+    views_of: Callable[[int, int], list[memoryview]],
+    *,
+    name: str = "objckpt-read-range",
+) -> Iterator[tuple[int, int]]:
+    """Read ``[begin, end)`` of ``key`` by ranged GETs of at most ``store.part_size``,
+    :func:`read_window` at a time, each received in place into ``views_of(start, stop)`` (writable
+    buffers of exactly ``stop - start`` bytes in all, each at most :data:`SLICE_BYTES`) and
+    checksummed on the thread that read it; yields ``(crc, size)`` of each range, in order.
+    Nothing is left running when it returns or raises.
+
+    Raises:
+        ChecksumMismatchError: a range came back short (the object is truncated).
+        NotFoundError and the store's errors.
+    """
+    step = max(1, store.part_size)
+    window = read_window(store)
+
+    def fetch(start: int, stop: int) -> tuple[int, int]:
+        views = views_of(start, stop)
+        got = store.get_into(key, start, views)
+        if got != stop - start:
+            raise ChecksumMismatchError(
+                f"ranged read [{start}, {stop}) returned {got} bytes (shard truncated?)",
+                key=key,
+                location=store.location,
+            )
+        crc = 0
+        for view in views:
+            crc = _crc.crc32c_update(crc, view)  # through the module: tests count the passes
+        return crc, stop - start
+
+    ranges = [(pos, min(pos + step, end)) for pos in range(begin, end, step)]
+    if not ranges:
+        return
+    pending: deque[Future[tuple[int, int]]] = deque()
+    with ThreadPoolExecutor(min(window, len(ranges)), thread_name_prefix=name) as pool:
+        try:
+            for start, stop in ranges:
+                pending.append(pool.submit(fetch, start, stop))
+                if len(pending) >= window:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for fut in pending:
+                fut.cancel()
+
 
 log = logging.getLogger("objckpt.reader")
 
@@ -299,7 +361,7 @@ class Reader:
         ``max_in_flight`` at a time, each received in place (``Store.get_into``) and
         checksummed on the thread that read it, the pieces combined in order; a smaller one is
         streamed (:meth:`open_shard`: one GET). No memory beyond ``dest`` but the store's own
-        per-request buffers (at most one :data:`_SLICE_BYTES` slice each, where it receives
+        per-request buffers (at most one :data:`SLICE_BYTES` slice each, where it receives
         into memory).
 
         Atomicity: on failure ``dest`` holds some of the bytes; nothing else is written.
@@ -332,29 +394,15 @@ class Reader:
                 )
             return
         layout.validate_key_in_root(receipt.key)
-        step = max(1, self.store.part_size)
-        ranges = [(start, min(start + step, size)) for start in range(0, size, step)]
 
-        def fetch(span: tuple[int, int]) -> int:
-            start, stop = span
-            part = view[start:stop]
-            slices = [part[i : i + _SLICE_BYTES] for i in range(0, stop - start, _SLICE_BYTES)]
-            got = self.store.get_into(receipt.key, start, slices)
-            if got != stop - start:
-                raise ChecksumMismatchError(
-                    f"ranged read [{start}, {stop}) returned {got} bytes (shard truncated?)",
-                    key=receipt.key,
-                    location=self.store.location,
-                )
-            return crc32c_of(part)
+        def views_of(start: int, stop: int) -> list[memoryview]:
+            return [view[i : min(i + SLICE_BYTES, stop)] for i in range(start, stop, SLICE_BYTES)]
 
-        concurrency = getattr(self.store, "read_concurrency", None)
-        window = max(1, concurrency if isinstance(concurrency, int) else self.store.max_in_flight)
-        with ThreadPoolExecutor(min(window, len(ranges)), thread_name_prefix="objckpt-read-into") as pool:
-            crcs = list(pool.map(fetch, ranges))
         crc = 0
-        for (start, stop), part_crc in zip(ranges, crcs, strict=True):
-            crc = crc32c_combine(crc, part_crc, stop - start)
+        for range_crc, n in read_ranges_into(
+            self.store, receipt.key, 0, size, views_of, name="objckpt-read-into"
+        ):
+            crc = crc32c_combine(crc, range_crc, n)
         if encode_crc32c(crc) != receipt.crc32c:
             raise ChecksumMismatchError(
                 f"CRC32C mismatch: read {encode_crc32c(crc)}, receipt says {receipt.crc32c}",

@@ -23,6 +23,7 @@ and every later call raises :class:`DistributedError` at once: restart the job.
 from __future__ import annotations
 
 import json
+import mmap
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 from .._crc import Buffer
 from ..errors import DistributedError, decode_error, encode_error
 
-__all__ = ["Comm", "LocalComm", "ThreadComm", "ThreadWorld", "agree", "exchange_rounds"]
+__all__ = ["Comm", "LocalComm", "ThreadComm", "ThreadWorld", "agree", "exchange_rounds", "writable_buffer"]
 
 T = TypeVar("T")
 
@@ -176,6 +177,19 @@ def exchange_rounds(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
     longest = max(sizes, default=0)
     chunk = max(1, budget // max(1, len(sizes)))
     return [(offset, min(chunk, longest - offset)) for offset in range(0, longest, chunk)]
+
+
+#: buffers of at least this many bytes are anonymous mmaps (:func:`writable_buffer`)
+MMAP_FROM = 1024 * 1024
+
+
+def writable_buffer(n: int) -> memoryview:
+    """``n`` writable bytes to receive or download into. From :data:`MMAP_FROM` bytes an anonymous
+    ``mmap`` (page-aligned, not zero-filled up front, unlike ``bytearray(n)``: its pages are
+    touched once, by the write; unmapped when the last view of it is dropped); a smaller one is
+    ordinary memory (an mmap is a kernel mapping of its own, page-rounded: thousands of simulated
+    ranks in one process each holding one would near the kernel's map limit)."""
+    return memoryview(mmap.mmap(-1, n) if n >= MMAP_FROM else bytearray(n))
 
 
 def _check_sizes(comm: Comm, sizes: Sequence[int], what: str) -> list[int]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +41,9 @@ from .._crc import Buffer, crc32c_b64
 from ..errors import DistributedError, decode_error, encode_error, is_damage, with_rank
 from ..manifest import ShardReceipt
 from ..reader import Reader
-from .comm import Comm, agree
+from .comm import Comm, agree, writable_buffer
 
 __all__ = ["SharedPlan", "assign", "check_received", "plan_shared", "read_shared"]
-
-#: contributions of at least this many bytes are downloaded into an anonymous mmap
-_MMAP_FROM = 1024 * 1024
 
 
 def assign(receipts: Sequence[ShardReceipt], world_size: int) -> dict[str, int]:
@@ -208,9 +204,7 @@ def _download(reader: Reader, receipts: Sequence[ShardReceipt], size: int) -> Bu
     """This rank's shards of the exchange, each read (size and CRC32C verified; by parallel
     ranged GETs when larger than a part, :meth:`Reader.read_shard_into`) straight into its
     place in one buffer of ``size`` bytes: the contribution it sends and the memory its own
-    shards are decoded from (no joined copy, no second buffer). From :data:`_MMAP_FROM` bytes an
-    anonymous ``mmap``: page-aligned, writable, not zero-filled up front, and handed back to the
-    system as soon as the last view of it is dropped.
+    shards are decoded from (no joined copy, no second buffer; :func:`.comm.writable_buffer`).
 
     Raises:
         ChecksumMismatchError: a shard read with more or fewer bytes than its receipt, or
@@ -218,9 +212,7 @@ def _download(reader: Reader, receipts: Sequence[ShardReceipt], size: int) -> Bu
     """
     if not size:
         return b""
-    # a small one in ordinary memory: an mmap is a mapping of its own, page-rounded (thousands
-    # of simulated ranks in one process each holding one would near the kernel's map limit)
-    view = memoryview(mmap.mmap(-1, size) if size >= _MMAP_FROM else bytearray(size))
+    view = writable_buffer(size)
     offset = 0
     for r in receipts:
         reader.read_shard_into(r, view[offset : offset + r.size])

@@ -50,9 +50,7 @@ failure leaves them unreferenced, nothing live is touched.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -60,6 +58,7 @@ import torch
 from .. import _crc, layout
 from ..errors import ChecksumMismatchError
 from ..manifest import ShardReceipt
+from ..reader import SLICE_BYTES, read_ranges_into
 from ..store.base import Store
 from ._chunked import Resolver, read_header
 from ._chunked_decode import _plan_chunked, _resolve_remote
@@ -83,21 +82,12 @@ __all__ = ["PROBE_BYTES", "SLICE_BYTES", "decode_ranged", "ranged_applies"]
 
 #: the first read of a shard: its prefix and, for all but very large trees, its whole header
 PROBE_BYTES = 64 * 1024
-#: the most bytes one buffer handed to ``get_into`` holds (see the module doc, step 3)
-SLICE_BYTES = 1024 * 1024
 
 
 def ranged_applies(store: Store, receipt: ShardReceipt) -> bool:
     """Whether ``receipt``'s shard is read by ranges (:func:`decode_ranged`): it is larger than
     one of the store's parts, so the stream would be several parts read ahead."""
     return receipt.size > store.part_size
-
-
-def read_window(store: Store) -> int:
-    """How many ranges are read at once: the store's ``read_concurrency`` where it has one
-    (S3), else its ``max_in_flight``."""
-    concurrency = getattr(store, "read_concurrency", None)
-    return max(1, concurrency if isinstance(concurrency, int) else store.max_in_flight)
 
 
 def decode_ranged(
@@ -272,40 +262,14 @@ def _read_ranges(
     begin: int,
     end: int,
 ) -> Iterator[tuple[int, int]]:
-    """``(crc, size)`` of each range of ``[begin, end)``, in order, read ``read_window`` at a time;
-    nothing is left running when it returns or raises."""
-    step = max(1, store.part_size)
-    window = read_window(store)
+    """``(crc, size)`` of each range of ``[begin, end)``, in order (:func:`reader.read_ranges_into`),
+    each received straight into the tensors it covers (gaps between arrays into scratch)."""
 
-    def fetch(start: int, stop: int) -> tuple[int, int]:
+    def views_of(start: int, stop: int) -> list[memoryview]:
         views: list[memoryview] = []
         for _, n, ti, offset in _segments(spans, starts, start, stop):
             whole = dests[ti][offset : offset + n] if ti is not None else memoryview(bytearray(n))
             views.extend(whole[i : i + SLICE_BYTES] for i in range(0, n, SLICE_BYTES))
-        got = store.get_into(key, start, views)
-        if got != stop - start:
-            raise ChecksumMismatchError(
-                f"ranged read [{start}, {stop}) returned {got} bytes (shard truncated?)",
-                key=key,
-                location=store.location,
-            )
-        crc = 0
-        for view in views:
-            crc = _crc.crc32c_update(crc, view)
-        return crc, stop - start
+        return views
 
-    ranges = [(pos, min(pos + step, end)) for pos in range(begin, end, step)]
-    if not ranges:
-        return
-    pending: deque[Future[tuple[int, int]]] = deque()
-    with ThreadPoolExecutor(min(window, len(ranges)), thread_name_prefix="objckpt-restore-range") as pool:
-        try:
-            for start, stop in ranges:
-                pending.append(pool.submit(fetch, start, stop))
-                if len(pending) >= window:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for fut in pending:
-                fut.cancel()
+    yield from read_ranges_into(store, key, begin, end, views_of, name="objckpt-restore-range")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import mmap
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._crc import Buffer
-from ..coordination.comm import Comm, LocalComm, exchange_rounds
+from ..coordination.comm import Comm, LocalComm, exchange_rounds, writable_buffer
 from ..defaults import EXCHANGE_BROADCAST_MAX_WORLD, EXCHANGE_BUDGET, HANDSHAKE_TIMEOUT, TIMEOUT
 from ..errors import DistributedError
 
@@ -243,15 +242,15 @@ class DistComm(Comm):
             if len(rounds) == 1:
                 _, width = rounds[0]
                 received = _gather_round(
-                    gather, group, mine, 0, width, _empty(self.world_size * width), self.world_size
+                    gather, group, mine, 0, width, writable_buffer(self.world_size * width), self.world_size
                 )
                 # the views keep ``received`` alive: one receive buffer, no copy per rank
                 for r, n in enumerate(sizes):
                     if r != self.rank and n:
                         out[r] = received[r * width : r * width + n]
                 return out
-            parts = {r: _empty(n) for r, n in enumerate(sizes) if r != self.rank and n}
-            round_buffer = _empty(self.world_size * rounds[0][1])  # the widest round: the first
+            parts = {r: writable_buffer(n) for r, n in enumerate(sizes) if r != self.rank and n}
+            round_buffer = writable_buffer(self.world_size * rounds[0][1])  # the widest round: the first
             for offset, width in rounds:
                 flat = _gather_round(gather, group, mine, offset, width, round_buffer, self.world_size)
                 for r, part in parts.items():
@@ -276,7 +275,7 @@ class DistComm(Comm):
                 out.append(mine)
                 buffer = memoryview(mine).cast("B") if n else memoryview(b"")
             else:
-                buffer = _empty(n) if n else memoryview(b"")
+                buffer = writable_buffer(n) if n else memoryview(b"")
                 out.append(buffer if n else b"")
             for start in range(0, n, step):
                 piece = buffer[start : start + step]
@@ -330,13 +329,6 @@ def _gather_round(
     view = buffer[: world_size * width]
     gather(torch.frombuffer(view, dtype=torch.uint8), source, group=group)
     return view
-
-
-def _empty(n: int) -> memoryview:
-    """``n`` writable bytes to receive into: anonymous ``mmap`` memory (page-aligned, not
-    zero-filled up front, unlike ``bytearray(n)``; its pages are touched once, by the receive),
-    unmapped when the last view of it is dropped."""
-    return memoryview(mmap.mmap(-1, n))
 
 
 def make_comm(

@@ -165,12 +165,12 @@ def test_a_rank_streams_its_shards_into_one_writable_buffer_and_sends_that_very_
 def test_only_a_large_contribution_gets_an_mmap_of_its_own(monkeypatch: Any):
     """An anonymous mmap is a kernel mapping of its own: thousands of ranks in one process (the
     scale simulator) each holding one for a few hundred bytes would near the map limit, so a
-    contribution below ``_MMAP_FROM`` is ordinary memory."""
+    contribution below ``comm.MMAP_FROM`` is ordinary memory."""
     import mmap
 
-    from objckpt.coordination import exchange
+    from objckpt.coordination import comm as comm_module
 
-    monkeypatch.setattr(exchange, "_MMAP_FROM", 2000)
+    monkeypatch.setattr(comm_module, "MMAP_FROM", 2000)
     inner = memory_store()
     receipts = _write_shared(inner, [2500, 1000, 300, 0])
     owners = assign(receipts, WORLD)
