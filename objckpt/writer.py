@@ -90,14 +90,16 @@ class ShardWriter:
         size: int | None = None,
         checksums: StreamChecksums | None = None,
         borrow: bool = False,
+        single_request_max: int | None = None,
     ) -> ShardReceipt:
         """Stream ``source`` (bytes, an iterable of buffers, or a binary file) into shard ``name``.
 
         ``size``: the shard's size when the caller knows it (a bytes-like source says it
         itself): the part size then follows it (``Store.part_size_for``: S3's 10,000-part limit,
         >= 32 MiB parts for big shards), unless this writer was given a ``part_size``.
-        ``checksums`` / ``borrow``: as :meth:`Store.put_stream` (each source buffer's CRC32C,
-        from the one pass that also gives the shard's; zero-copy parts over live buffers).
+        ``checksums`` / ``borrow`` / ``single_request_max``: as :meth:`Store.put_stream` (each
+        source buffer's CRC32C, from the one pass that also gives the shard's; zero-copy parts
+        over live buffers; a shard up to that size written by one request).
 
         Atomicity: the shard appears whole or not at all; it is created only if absent, so an
         existing object is never replaced. On failure a multipart upload is aborted and the
@@ -134,6 +136,7 @@ class ShardWriter:
             progress=progress,
             checksums=sums,
             borrow=borrow,
+            single_request_max=single_request_max,
         )
         crc_b64 = sums.b64
         # End-to-end check: what the store says it stored is what we streamed.

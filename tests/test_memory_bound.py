@@ -137,6 +137,24 @@ def test_memory_store_save_client_heap_is_bounded() -> None:
     assert peak < 2 * STATE + BOUND + SLACK, f"peak {peak / MiB:.1f} MiB"
 
 
+@pytest.mark.parametrize("size", [STATE, IN_FLIGHT * PART], ids=["multipart", "one-request"])
+def test_reading_ahead_for_one_request_stays_within_the_bound(tmp_path: Path, size: int) -> None:
+    """``single_request_max`` reads parts ahead before it knows whether the source fits one
+    request: capped at ``part_size x max_in_flight``, so assembled parts held never exceed the
+    bound, whether the source then goes as a multipart upload (64 MiB) or as one request."""
+    store = LocalStore(str(tmp_path / "root"), part_size=PART, max_in_flight=IN_FLIGHT)
+    backing = _backing()[:size]
+    writer = ShardWriter(store, step=1, attempt=layout.new_attempt_id(), rank=0, part_size=PART)
+    peak = _traced_peak(lambda: writer.write("state.bin", _state_source(backing), single_request_max=STATE))
+    (receipt,) = writer.receipts
+    assert receipt.size == size and receipt.parts == (size // PART if size > IN_FLIGHT * PART else 1)
+    assert peak < BOUND + SLACK, (
+        f"writing {size // MiB} MiB with one-request read-ahead peaked at {peak / MiB:.2f} MiB of "
+        f"extra heap; the bound is {BOUND / MiB:.0f} MiB"
+    )
+    store.close()
+
+
 def test_checkpoint_manager_save_peak_heap_is_bounded(tmp_path: Path) -> None:
     """The training layer streams tensors the same way: 16 tensors of 4 MiB, 1 MiB parts."""
     torch = pytest.importorskip("torch")

@@ -43,7 +43,7 @@ from ._gcs_errors import (
     _status_of,
 )
 from ._options import Option, anything, boolean, seconds, size, text
-from ._util import ViewReader
+from ._util import BuffersReader
 from .base import ObjectMeta, PutMode, Store
 
 #: one logger for the GCS store, whichever of its modules logs
@@ -309,22 +309,24 @@ class _GCSClient(Store):
     def _upload(
         self,
         name: str,
-        data: memoryview,
+        data: memoryview | list[memoryview],
         crc32c: str,
         *,
         if_generation_match: int | None,
         metadata: dict[str, str] | None = None,
     ) -> Any:
         """Upload one object in one upload session; the server checks ``crc32c`` (sent in the
-        object metadata) and we check the CRC32C it reports back. Returns the blob. SDK errors
-        are raised as they are (the caller maps them with the write's mode)."""
+        object metadata) and we check the CRC32C it reports back. ``data`` may be consecutive
+        buffers, sent as one body without joining them. Returns the blob. SDK errors are raised
+        as they are (the caller maps them with the write's mode)."""
+        body = BuffersReader(data if isinstance(data, list) else [data])
         blob = self._bucket.blob(name)
         blob.crc32c = crc32c  # part of the upload's metadata: GCS rejects a mismatch (400)
         if metadata:
             blob.metadata = metadata
         blob.upload_from_file(
-            ViewReader(data),
-            size=data.nbytes,
+            body,
+            size=len(body),
             content_type="application/octet-stream",
             if_generation_match=if_generation_match,
             checksum=None,  # ours is already in the metadata; do not hash the bytes twice

@@ -54,9 +54,16 @@ class _GCSComposite(_GCSClient):
     def _upload_part(
         self, handle: UploadHandle, part_number: int, offset: int, data: memoryview, crc32c: str
     ) -> PartResult:
+        return self._upload_part_buffers(handle, part_number, offset, [data], crc32c)
+
+    def _upload_part_buffers(
+        self, handle: UploadHandle, part_number: int, offset: int, buffers: list[memoryview], crc32c: str
+    ) -> PartResult:
+        """One part as its own object, its buffers sent as one body (no assembly copy)."""
+        size = sum(b.nbytes for b in buffers)
         if part_number > MAX_COMPONENTS:
             raise StoreError(
-                f"object needs more than {MAX_COMPONENTS} parts of {data.nbytes} bytes; a GCS "
+                f"object needs more than {MAX_COMPONENTS} parts of {size} bytes; a GCS "
                 f"composite object has at most {MAX_COMPONENTS} components: raise part_size",
                 key=handle.key,
                 location=self.location,
@@ -66,9 +73,9 @@ class _GCSComposite(_GCSClient):
         with self._mapped("upload_part", handle.key):
             # Unconditional: the name is private to this upload, and a retry after a lost
             # response must be able to replace the part.
-            blob = self._upload(name, data, crc32c, if_generation_match=None)
+            blob = self._upload(name, buffers, crc32c, if_generation_match=None)
         self._reject_mismatch(blob, crc32c, handle.key, "upload_part")
-        return PartResult(part_number, offset, data.nbytes, crc32c, token=(name, blob.generation))
+        return PartResult(part_number, offset, size, crc32c, token=(name, blob.generation))
 
     def _compose(
         self,

@@ -95,14 +95,22 @@ class _StoreWrites:
         progress: Callable[[int], None] | None = None,
         checksums: StreamChecksums | None = None,
         borrow: bool = False,
+        single_request_max: int | None = None,
     ) -> ObjectMeta:
         """Stream ``source`` into one object with bounded memory; default mode is create-if-absent.
 
-        Sources no larger than one part are written with a single ``put``. Larger ones go through
-        the backend's multipart upload with at most ``max_in_flight`` parts buffered or in flight;
-        each part carries its CRC32C. The returned meta's ``crc32c`` is the full-object CRC32C
+        Sources no larger than ``single_request_max`` bytes (default: one part) are written with
+        a single ``put``; larger ones go through the backend's multipart upload with at most
+        ``max_in_flight`` parts buffered or in flight. Every request body carries its CRC32C,
+        which the server verifies. The returned meta's ``crc32c`` is the full-object CRC32C
         computed while streaming. ``progress(n)`` is called with each part's byte count once
-        that part is uploaded.
+        that part is uploaded (a single request: the whole size, once).
+
+        ``single_request_max`` is for a caller that writes several objects at once, so their
+        parts' parallelism is not needed inside each one: one request instead of a multipart
+        upload's create, parts and completion (S3 bills and rate-limits per request; the server
+        has no parts to assemble). The parts are read ahead until the source ends or exceeds it,
+        so it is capped at ``part_size x max_in_flight``: the memory bound below still holds.
 
         Each byte is CRC32C-hashed once: per piece (a source buffer's share of one part), the
         part's and the whole object's values combined from those; ``checksums`` (optional)
@@ -122,20 +130,27 @@ class _StoreWrites:
         self._check_part_size(part_size, key)
         max_in_flight = max_in_flight or self.max_in_flight
         sums = checksums if checksums is not None else StreamChecksums()
+        one_request = max(part_size, min(single_request_max or 0, part_size * max_in_flight))
         parts = _cut_parts(source, part_size, borrow, sums)
-        first = next(parts, None)
-        if first is None:
-            first = _Part()
-        second = next(parts, None)
-        if second is None:  # fits in one request: no multipart overhead
-            meta = self._put_checked(key, first.buffers, first.size, encode_crc32c(first.crc), mode)
+        # Read ahead while what was read fits in one request: at most max_in_flight + 1 parts.
+        head: list[_Part] = []
+        read = 0
+        for part in parts:
+            head.append(part)
+            read += part.size
+            if read > one_request:
+                break
+        else:  # the source ended: one request, no multipart overhead
+            buffers = [buf for p in head for buf in p.buffers]
+            del head
+            sums.parts = min(sums.parts, 1)  # the receipt counts requests' parts: one
+            meta = self._put_checked(key, buffers, read, sums.b64, mode)
             if progress:
-                progress(first.size)
+                progress(read)
             return meta
-        # Hand the two parts read ahead over without keeping references here: a part must be
-        # freed as soon as its upload is done, or the memory bound grows by two parts.
-        head = [first, second]
-        del first, second
+        # Hand the parts read ahead over without keeping references here: a part must be
+        # freed as soon as its upload is done, or the memory bound grows by the read-ahead.
+        del part
         return self._multipart(key, _chain(head, parts), mode, max_in_flight, progress, sums)
 
     def _multipart(

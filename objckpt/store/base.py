@@ -188,14 +188,15 @@ class Store(_StoreWrites, _StoreReads, ABC):
     ) -> PartResult:
         """Upload one part given as consecutive buffers whose CRC32C ``put_stream`` computed from
         these very buffers. A backend that can send several buffers as one body (file://
-        ``pwritev``, S3's streamed body) overrides this; the default joins them (one copy) for
-        :meth:`_upload_part`."""
+        ``pwritev``, S3's and GCS's streamed bodies) overrides this, and the wrappers forward
+        it; the default joins them (one copy) for :meth:`_upload_part`."""
         return self._upload_part(handle, part_number, offset, _joined(buffers), crc32c)
 
     def _put_buffers(self, key: str, buffers: list[memoryview], mode: PutMode, crc32c: str) -> ObjectMeta:
-        """:meth:`_put` of consecutive buffers whose CRC32C the caller computed from them; the
-        default joins them (one copy). file:// overrides it to write them without re-hashing
-        (there is no transport between the hash and the write to protect)."""
+        """:meth:`_put` of consecutive buffers whose CRC32C the caller computed from them (a
+        ``put_stream`` that fits one request); the default joins them (one copy). S3 and GCS
+        send them as one streamed body, file:// writes them without re-hashing (there is no
+        transport between the hash and the write to protect), and the wrappers forward it."""
         return self._put(key, _joined(buffers), mode, crc32c)
 
     @abstractmethod

@@ -121,12 +121,17 @@ class GCSStore(_GCSComposite):
 
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
         """One upload request (resumable above 8 MiB), atomic, conditional on ``mode``."""
+        return self._put_buffers(key, [data], mode, crc32c)
+
+    def _put_buffers(self, key: str, buffers: list[memoryview], mode: PutMode, crc32c: str) -> ObjectMeta:
+        """:meth:`_put` of consecutive buffers, sent as one body without joining them."""
         generation = self._generation_or_refuse(mode, key)
-        attempt = (key, crc32c, data.nbytes, mode)
+        size = sum(b.nbytes for b in buffers)
+        attempt = (key, crc32c, size, mode)
         retrying = getattr(self._unsure, "put", None) == attempt
         self._unsure.put = None
         try:
-            blob = self._upload(key, data, crc32c, if_generation_match=generation)
+            blob = self._upload(key, buffers, crc32c, if_generation_match=generation)
         except _SDK_ERRORS as exc:
             mapped = self._map_error(exc, "put", key, mode)
             if isinstance(mapped, TransientError):
@@ -134,7 +139,7 @@ class GCSStore(_GCSComposite):
                 # the retry that follows, on this thread, may meet our own object.
                 self._unsure.put = attempt
             elif retrying and isinstance(mapped, (AlreadyExistsError, PreconditionFailedError)):
-                mine = self._same_content(key, data.nbytes, crc32c)
+                mine = self._same_content(key, size, crc32c)
                 if mine is not None:
                     return mine
             if mapped is exc:

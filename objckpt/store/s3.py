@@ -44,7 +44,7 @@ from ._s3_client import S3_MIN_PART_SIZE
 from ._s3_errors import S3_ERROR_CODES, S3_ERROR_STATUSES, map_s3_error
 from ._s3_reads import _S3Reads
 from ._s3_uploads import _S3Uploads
-from ._s3_wire import _body, _full_crc, _quoted, multipart_etag
+from ._s3_wire import _body_of, _full_crc, _quoted, multipart_etag
 from .base import ObjectMeta, PutMode, Store
 from .wrappers import PrefixStore
 
@@ -82,19 +82,25 @@ class S3Store(_S3Uploads, _S3Reads):
 
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
         """PutObject with the CRC32C the server verifies; atomic; conditional per ``mode``."""
+        return self._put_buffers(key, [data], mode, crc32c)
+
+    def _put_buffers(self, key: str, buffers: list[memoryview], mode: PutMode, crc32c: str) -> ObjectMeta:
+        """PutObject of consecutive buffers as one streamed body (never joined: no copy), with
+        the CRC32C the server verifies; atomic; conditional per ``mode``."""
+        size = sum(b.nbytes for b in buffers)
         resp = self._request(
             "put",
             key,
             self._client.put_object,
             mode=mode,
             Key=key,
-            Body=_body(data),
-            ContentLength=data.nbytes,
+            Body=_body_of(buffers, size),
+            ContentLength=size,
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=crc32c,
             **self._conditions(mode),
         )
-        return ObjectMeta(key=key, size=data.nbytes, version=_quoted(resp.get("ETag")), crc32c=crc32c)
+        return ObjectMeta(key=key, size=size, version=_quoted(resp.get("ETag")), crc32c=crc32c)
 
     def _delete_batch(self, keys: list[str]) -> None:
         """DeleteObjects (Quiet); a per-key failure raises the mapped error for that key."""

@@ -105,6 +105,11 @@ class _Wrapper(Store):
     def _put(self, key: str, data: memoryview, mode: PutMode, crc32c: str) -> ObjectMeta:
         return self._invoke("put", key, None, self.inner._put, key, data, mode, crc32c)
 
+    def _put_buffers(self, key: str, buffers: list[memoryview], mode: PutMode, crc32c: str) -> ObjectMeta:
+        # the inner backend's own vectored write (S3 streamed body, file writev), not the
+        # default that joins the buffers (a copy of the object); the op is still "put"
+        return self._invoke("put", key, None, self.inner._put_buffers, key, buffers, mode, crc32c)
+
     def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
         # Not a generator: the call is counted (and may fail) when the stream is opened.
         return self._invoke("open", key, None, self.inner._open, key, start, end)
@@ -142,6 +147,22 @@ class _Wrapper(Store):
             part_number,
             offset,
             data,
+            crc32c,
+        )
+
+    def _upload_part_buffers(
+        self, handle: UploadHandle, part_number: int, offset: int, buffers: list[memoryview], crc32c: str
+    ) -> PartResult:
+        # the inner backend's vectored part (no assembly copy of a part spanning tensors)
+        return self._invoke(
+            "upload_part",
+            handle.key,
+            None,
+            self.inner._upload_part_buffers,
+            handle,
+            part_number,
+            offset,
+            buffers,
             crc32c,
         )
 
@@ -240,6 +261,11 @@ class PrefixStore(_Wrapper):
         with self._relative_errors():
             return self._meta(self.inner._put(self._full(key), data, mode, crc32c))
 
+    def _put_buffers(self, key: str, buffers: list[memoryview], mode: PutMode, crc32c: str) -> ObjectMeta:
+        # the inner backend's vectored write, not the default join (a copy of the object)
+        with self._relative_errors():
+            return self._meta(self.inner._put_buffers(self._full(key), buffers, mode, crc32c))
+
     def _open(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
         with self._relative_errors():
             stream = self.inner._open(self._full(key), start, end)  # a wrapper may fail here
@@ -283,6 +309,15 @@ class PrefixStore(_Wrapper):
     ) -> PartResult:
         with self._relative_errors():
             return self.inner._upload_part(self._inner_handle(handle), part_number, offset, data, crc32c)
+
+    def _upload_part_buffers(
+        self, handle: UploadHandle, part_number: int, offset: int, buffers: list[memoryview], crc32c: str
+    ) -> PartResult:
+        # the inner backend's vectored part, not the default join (a copy of the part)
+        with self._relative_errors():
+            return self.inner._upload_part_buffers(
+                self._inner_handle(handle), part_number, offset, buffers, crc32c
+            )
 
     def _complete_upload(
         self, handle: UploadHandle, parts: list[PartResult], size: int, crc32c: str

@@ -480,14 +480,15 @@ def test_composite_checksum_type_reports_no_crc32c_but_verifies_reads(s3_backend
 
 
 def test_failed_multipart_is_aborted_leaving_no_upload_and_no_object(s3_store):
-    real = s3_store._upload_part
+    # put_stream sends each part through the vectored primitive (one buffer or several)
+    real = s3_store._upload_part_buffers
 
-    def failing(handle, number, offset, data, crc):
+    def failing(handle, number, offset, buffers, crc):
         if number == 2:
             raise StoreError("injected permanent failure", key=handle.key)
-        return real(handle, number, offset, data, crc)
+        return real(handle, number, offset, buffers, crc)
 
-    s3_store._upload_part = failing
+    s3_store._upload_part_buffers = failing
     with pytest.raises(StoreError, match="injected"):
         s3_store.put_stream("doomed", os.urandom(2 * PART + 1), part_size=PART)
     assert s3_store.list_uploads("") == []  # ListMultipartUploads on the server
@@ -497,12 +498,12 @@ def test_failed_multipart_is_aborted_leaving_no_upload_and_no_object(s3_store):
 
 def test_server_rejects_a_corrupted_part_and_the_upload_is_aborted(request, s3_backend, s3_store):
     expect_gap(request, s3_backend, GAP_PART_CHECKSUM)
-    real = s3_store._upload_part
+    real = s3_store._upload_part_buffers
 
-    def corrupting(handle, number, offset, data, crc):
-        return real(handle, number, offset, data, crc32c_b64(b"other bytes") if number == 2 else crc)
+    def corrupting(handle, number, offset, buffers, crc):
+        return real(handle, number, offset, buffers, crc32c_b64(b"other bytes") if number == 2 else crc)
 
-    s3_store._upload_part = corrupting
+    s3_store._upload_part_buffers = corrupting
     with pytest.raises(ChecksumMismatchError) as info:
         s3_store.put_stream("corrupt", os.urandom(PART + 10), part_size=PART)
     assert type(info.value) is ChecksumMismatchError

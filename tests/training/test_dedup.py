@@ -361,11 +361,11 @@ def test_gc_racing_a_save_that_references_an_old_object_keeps_it(backend: Any) -
         entered, release = threading.Event(), threading.Event()
 
         class Holding(CountingStore):
-            def _put(self, key: str, data: Any, mode: Any, crc32c: str) -> Any:
-                if key.startswith("manifests/") and key.endswith("30.json"):
+            def _invoke(self, op: str, key: str, keys: Any, fn: Any, *args: Any) -> Any:
+                if op == "put" and key.startswith("manifests/") and key.endswith("30.json"):
                     entered.set()
                     release.wait(60)  # 30 is checked, its manifest not written yet
-                return super()._put(key, data, mode, crc32c)
+                return super()._invoke(op, key, keys, fn, *args)
 
         holding = Holding(store, close_inner=False)
         outcome: dict[str, Any] = {}

@@ -155,12 +155,15 @@ def _is_shard(key: str) -> bool:
 
 
 def _payload_bytes(args: tuple[Any, ...]) -> int:
+    """The bytes a write request sends: its buffer, or its list of buffers (vectored writes)."""
     n = 0
     for a in args:
         if isinstance(a, memoryview):
             n += a.nbytes
         elif isinstance(a, (bytes, bytearray)):
             n += len(a)
+        elif isinstance(a, list):
+            n += sum(b.nbytes for b in a if isinstance(b, memoryview))
     return n
 
 

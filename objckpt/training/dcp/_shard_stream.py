@@ -25,8 +25,18 @@ from ...errors import LoadRefusedError
 from .. import dedup
 from ._metadata import _dtype_name, _first_line, _ItemLocation
 
-#: a shard written alongside others holds at least this many parts (fewer, larger files below)
+#: a large rank's shard, written alongside others, holds at least this many parts
 _SPREAD_PARTS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How one rank writes its items: the shards, how many are written at once (``spread``),
+    and the size up to which each is written by a single request (``None``: one part)."""
+
+    shards: list[list[WriteItem]]
+    spread: int
+    single_request_max: int | None
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -47,21 +57,39 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def split_into_shards(
     items: list[WriteItem], *, max_shard_bytes: int, part_size: int, max_in_flight: int
-) -> tuple[list[list[WriteItem]], int]:
+) -> ShardPlan:
     """Pack items into shards: bytes items first (small, like DCP's writer), then tensors in
-    plan order, a new shard whenever one would exceed ``max_shard_bytes`` or, for a rank
-    holding at least two spreads' worth, its share of the rank's bytes over the shards
-    written at once (``min(max_in_flight, bytes / (_SPREAD_PARTS parts))``). A rank with no
-    items still writes one empty shard so its receipt shows it took part in the save.
+    plan order, a new shard whenever one would exceed ``max_shard_bytes`` or the rank's share
+    per shard. A rank with no items still writes one empty shard so its receipt shows it took
+    part in the save. Pure.
 
-    Returns the shards and the spread (how many of them to write at once); pure."""
+    How a rank's bytes are spread (``part_size x max_in_flight`` is the most one request sends
+    within the memory bound; 128 MiB by default):
+
+    * up to two parts: one shard, one request or a two-part upload (as before);
+    * up to ``max_in_flight`` such requests' worth (1 GiB by default): ``min(max_in_flight,
+      bytes / part_size)`` shards written at once, each by ONE request. The requests in flight
+      are as many as a multipart upload's parts would be, so nothing is lost in parallelism,
+      but each shard costs one request instead of a create, its parts and a completion, and
+      the server assembles nothing (a 512 MiB rank: 8 requests instead of 48);
+    * larger: ``max_in_flight`` multipart shards written at once, each at least
+      ``_SPREAD_PARTS`` parts, so a filesystem writes several files in parallel (ext4 serialises
+      buffered writes to one inode) and the per-shard requests stay a small share.
+
+    A shard that comes out larger than one request (a single big tensor) is written as a
+    multipart upload all the same: ``put_stream`` decides by the bytes it reads."""
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
         i for i in items if i.type != WriteItemType.BYTE_IO
     ]
-    # a large rank's items spread over up to max_in_flight shards written at once (each
-    # at least _SPREAD_PARTS parts), so their files are written in parallel
     total = sum(item.tensor_storage_size() or 0 for item in ordered)
-    spread = max(1, min(max_in_flight, total // (_SPREAD_PARTS * part_size)))
+    one_request = part_size * max_in_flight
+    single_request_max: int | None = None
+    if total <= max_in_flight * one_request:
+        spread = max(1, min(max_in_flight, total // part_size))
+        if spread > 1:
+            single_request_max = one_request
+    else:
+        spread = max(1, min(max_in_flight, total // (_SPREAD_PARTS * part_size)))
     limit = min(max_shard_bytes, -(-total // spread)) if spread > 1 else max_shard_bytes
     shards: list[list[WriteItem]] = [[]]
     size = 0
@@ -72,7 +100,7 @@ def split_into_shards(
             size = 0
         shards[-1].append(item)
         size += n
-    return shards, spread
+    return ShardPlan(shards, spread, single_request_max)
 
 
 def stream_items(

@@ -278,7 +278,9 @@ class ObjckptStorageWriter(StorageWriter):
         writer = ShardWriter(self.store, step=self.step, attempt=sd.attempt, rank=sd.rank)
         results: list[WriteResult] = []
 
-        def write_shard(number: int, items: list[WriteItem]) -> tuple[str, Any, list[Any]]:
+        def write_shard(
+            number: int, items: list[WriteItem], single_request_max: int | None
+        ) -> tuple[str, Any, list[Any]]:
             name = _DATA_SHARD.format(number)
             locations: list[tuple[WriteItem, _ItemLocation]] = []
             sums = StreamChecksums()
@@ -296,6 +298,7 @@ class ObjckptStorageWriter(StorageWriter):
                 ),
                 checksums=sums,
                 borrow=True,
+                single_request_max=single_request_max,
             )
             # each item's CRC32C comes from the upload's one pass (each yielded buffer is one item)
             sent = iter(sums.chunks)
@@ -307,21 +310,29 @@ class ObjckptStorageWriter(StorageWriter):
                     locations[i] = (item, dataclasses.replace(loc, crc32c=encode_crc32c(crc)))
             return name, receipt, locations
 
-        shards, self._spread = split_into_shards(
+        shard_plan = split_into_shards(
             plan.items,
             max_shard_bytes=self.max_shard_bytes,
             part_size=self.store.part_size,
             max_in_flight=self.store.max_in_flight,
         )
+        shards, self._spread = shard_plan.shards, shard_plan.spread
         if len(shards) == 1:
-            written = [write_shard(0, shards[0])]
+            written = [write_shard(0, shards[0], shard_plan.single_request_max)]
         else:
-            # several shard files at once: a filesystem serialises buffered writes to one file
-            # (ext4's inode lock), so one file per rank cannot use the parts' parallelism there
+            # several shard files at once (see split_into_shards): one request each up to
+            # single_request_max, and a filesystem writes several files in parallel
             with ThreadPoolExecutor(
                 min(len(shards), self._spread), thread_name_prefix="objckpt-dcp-shard"
             ) as pool:
-                written = list(pool.map(write_shard, range(len(shards)), shards))
+                written = list(
+                    pool.map(
+                        write_shard,
+                        range(len(shards)),
+                        shards,
+                        [shard_plan.single_request_max] * len(shards),
+                    )
+                )
         for name, receipt, locations in written:
             for item, loc in locations:
                 loc = dataclasses.replace(loc, receipt=None if loc.origin is not None else receipt)
