@@ -12,7 +12,6 @@ import pickle
 import socket
 import traceback
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +56,7 @@ def fail_data_upload() -> Fault:
     return Fault(op="put", key="data/*/dcp-00000.bin", error=PermissionDeniedError, times=None)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_dcp() -> Iterator[None]:
-    # DCP warns on every call that no process group is initialised; that is the point here.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is unavailable.*")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_dcp")
 
 
 def mem() -> MemoryStore:

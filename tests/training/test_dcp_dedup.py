@@ -6,8 +6,6 @@ Single process (DCP's no-process-group path); counts and bytes only.
 from __future__ import annotations
 
 import json
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,12 +23,7 @@ from objckpt.training.dcp import METADATA_SHARD, load_sharded, save_sharded  # n
 MiB = 1024 * 1024
 
 
-@pytest.fixture(autouse=True)
-def _quiet_dcp() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is unavailable.*")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_dcp")
 
 
 def state(seed: int = 0) -> dict[str, Any]:

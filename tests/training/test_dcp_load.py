@@ -9,7 +9,6 @@ combined, and a corrupted byte anywhere is caught.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,13 +29,7 @@ from objckpt.training.dcp import METADATA_SHARD, ObjckptStorageReader, ObjckptSt
 from objckpt.training.dcp._load import LoadItem, plan_reads  # noqa: E402
 from objckpt.training.dcp._metadata import _ItemLocation  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _quiet_dcp() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is unavailable.*")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_dcp")
 
 
 def item(key: str, start: int, length: int) -> LoadItem:

@@ -8,8 +8,6 @@ of at least four parts. Requests are counted through a ``CountingStore`` (each r
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +24,7 @@ from objckpt.training.dcp import METADATA_SHARD, ObjckptStorageReader, ObjckptSt
 PART = 4096
 
 
-@pytest.fixture(autouse=True)
-def _quiet_dcp() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is unavailable.*")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_dcp")
 
 
 def _save(tmp_path: Path, sd: dict[str, Any], max_in_flight: int) -> tuple[CountingStore, Any]:

@@ -7,8 +7,6 @@ that straddle tensors are sent as views of them.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +19,7 @@ from objckpt.reader import Reader  # noqa: E402
 from objckpt.store import open_store  # noqa: E402
 from objckpt.training.dcp import METADATA_SHARD, ObjckptStorageReader, ObjckptStorageWriter  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _quiet_dcp() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is unavailable.*")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_dcp")
 
 
 def test_dcp_save_hashes_each_written_byte_once(tmp_path: Path, hashed: list[int]) -> None:
@@ -48,7 +40,8 @@ def test_dcp_save_hashes_each_written_byte_once(tmp_path: Path, hashed: list[int
 
 
 def test_a_large_rank_spreads_its_items_over_shards_written_at_once(tmp_path: Path) -> None:
-    # 4 KiB parts: 8 tensors of 16 KiB = 32 parts, so min(max_in_flight=8, 32 / 4) = 8 shards
+    # 4 KiB parts: 8 tensors of 16 KiB = 32 parts, so min(max_in_flight=8, 32) = 8 shards (of one
+    # request each: tests/training/test_dcp_requests.py)
     store = open_store(f"file://{tmp_path}/run", part_size="4096", max_in_flight="8")
     sd = {f"t{i}": torch.full((4096,), float(i)) for i in range(8)}
     dcp.save(sd, storage_writer=ObjckptStorageWriter(store, step=1, dedup=False))
