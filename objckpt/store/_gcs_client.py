@@ -309,17 +309,17 @@ class _GCSClient(Store):
     def _upload(
         self,
         name: str,
-        data: memoryview | list[memoryview],
+        buffers: list[memoryview],
         crc32c: str,
         *,
         if_generation_match: int | None,
         metadata: dict[str, str] | None = None,
     ) -> Any:
         """Upload one object in one upload session; the server checks ``crc32c`` (sent in the
-        object metadata) and we check the CRC32C it reports back. ``data`` may be consecutive
-        buffers, sent as one body without joining them. Returns the blob. SDK errors are raised
+        object metadata) and we check the CRC32C it reports back. ``buffers`` are consecutive,
+        sent as one body without joining them. Returns the blob. SDK errors are raised
         as they are (the caller maps them with the write's mode)."""
-        body = BuffersReader(data if isinstance(data, list) else [data])
+        body = BuffersReader(buffers)
         blob = self._bucket.blob(name)
         blob.crc32c = crc32c  # part of the upload's metadata: GCS rejects a mismatch (400)
         if metadata:

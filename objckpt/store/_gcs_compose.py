@@ -44,7 +44,7 @@ class _GCSComposite(_GCSClient):
             # The marker names the target key, so GC can find and abort an abandoned upload.
             self._upload(
                 self._uploads + upload_id,
-                marker,
+                [marker],
                 crc32c_b64(marker),
                 if_generation_match=0,
                 metadata={_META_KEY: key},

@@ -6,6 +6,7 @@ short, and a write hashes each byte once however many buffers a part spans.
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -109,15 +110,13 @@ def test_borrowed_parts_are_sent_as_views_of_the_source(tmp_path: Any, monkeypat
 
 def _straddling(total: int) -> list[bytearray]:
     """Source buffers of ``total`` bytes whose boundaries fall inside parts (none part-aligned)."""
-    sizes = [PART // 3, PART, 2 * PART // 3]
+    sizes = itertools.cycle([PART // 3, PART, 2 * PART // 3])
     out: list[bytearray] = []
     left = total
-    for i in range(total):
-        n = min(sizes[i % len(sizes)], left)
+    while left:
+        n = min(next(sizes), left)
         out.append(bytearray(os.urandom(n)))
         left -= n
-        if not left:
-            return out
     return out
 
 

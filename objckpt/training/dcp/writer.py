@@ -278,9 +278,7 @@ class ObjckptStorageWriter(StorageWriter):
         writer = ShardWriter(self.store, step=self.step, attempt=sd.attempt, rank=sd.rank)
         results: list[WriteResult] = []
 
-        def write_shard(
-            number: int, items: list[WriteItem], single_request_max: int | None
-        ) -> tuple[str, Any, list[Any]]:
+        def write_shard(number: int, items: list[WriteItem]) -> tuple[str, Any, list[Any]]:
             name = _DATA_SHARD.format(number)
             locations: list[tuple[WriteItem, _ItemLocation]] = []
             sums = StreamChecksums()
@@ -298,7 +296,7 @@ class ObjckptStorageWriter(StorageWriter):
                 ),
                 checksums=sums,
                 borrow=True,
-                single_request_max=single_request_max,
+                single_request_max=shard_plan.single_request_max,
             )
             # each item's CRC32C comes from the upload's one pass (each yielded buffer is one item)
             sent = iter(sums.chunks)
@@ -318,21 +316,14 @@ class ObjckptStorageWriter(StorageWriter):
         )
         shards, self._spread = shard_plan.shards, shard_plan.spread
         if len(shards) == 1:
-            written = [write_shard(0, shards[0], shard_plan.single_request_max)]
+            written = [write_shard(0, shards[0])]
         else:
             # several shard files at once (see split_into_shards): one request each up to
             # single_request_max, and a filesystem writes several files in parallel
             with ThreadPoolExecutor(
                 min(len(shards), self._spread), thread_name_prefix="objckpt-dcp-shard"
             ) as pool:
-                written = list(
-                    pool.map(
-                        write_shard,
-                        range(len(shards)),
-                        shards,
-                        [shard_plan.single_request_max] * len(shards),
-                    )
-                )
+                written = list(pool.map(write_shard, range(len(shards)), shards))
         for name, receipt, locations in written:
             for item, loc in locations:
                 loc = dataclasses.replace(loc, receipt=None if loc.origin is not None else receipt)
