@@ -522,7 +522,7 @@ def stream_cost_leg(mib: int, runs: int) -> dict[str, Any]:
     from objckpt._crc import crc32c_of
     from objckpt.store.base import iter_parts
     from objckpt.store.memory import MemoryStore
-    from objckpt.training import dedup, serialization, shards
+    from objckpt.training import _state_write, dedup, serialization, shards
     from objckpt.training.manager import CheckpointManager
 
     model = make_model(mib * MiB, 16)
@@ -537,14 +537,15 @@ def stream_cost_leg(mib: int, runs: int) -> dict[str, Any]:
     cap.dedup = True
     parent = dedup.parent_for(store, 2)
     assert parent is not None
-    index = dedup.build_index(store, parent, rank=0, names=("replicated.bin",), layout=shards.STATE_LAYOUT)
+    names = [s.name for s in parent.shards if s.rank == 0]  # the replicated pieces and rank.bin
+    index = dedup.build_index(store, parent, rank=0, names=names, layouts=shards.STATE_LAYOUTS)
 
     class _W:
         part_size = None
 
     _W.store = store  # type: ignore[attr-defined]
-    opts = shards._chunk_options(_W, cap, index)  # type: ignore[arg-type]
-    first = shards._chunk_options(_W, cap, None)  # type: ignore[arg-type]  # no parent: hash all
+    opts = _state_write._chunk_options(_W, cap, index)  # type: ignore[arg-type]
+    first = _state_write._chunk_options(_W, cap, None)  # type: ignore[arg-type]  # no parent: hash all
 
     def once(mode: str) -> tuple[float, float]:
         c, t = time.process_time(), time.perf_counter()

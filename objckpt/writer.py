@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from . import layout
 from ._crc import Buffer
@@ -21,7 +22,54 @@ from .errors import ChecksumMismatchError, NotSupportedError
 from .manifest import ShardReceipt
 from .store.base import BytesSource, PutMode, Store, StreamChecksums
 
-__all__ = ["ShardWriter"]
+__all__ = ["ShardWriter", "Spread", "spread_for"]
+
+#: a large rank's shard, written alongside others, holds at least this many parts
+SPREAD_PARTS = 4
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How one rank's bytes are spread over shards written at once (:func:`spread_for`)."""
+
+    #: shards written at once (1: one shard)
+    shards: int
+    #: each shard up to this size is written by ONE request (``None``: parts, as usual)
+    single_request_max: int | None
+
+    def limit(self, total: int) -> int:
+        """The bytes each shard should hold so that ``total`` bytes fill :attr:`shards` shards."""
+        return -(-total // self.shards) if self.shards > 1 else max(total, 1)
+
+
+def spread_for(total: int, *, part_size: int, max_in_flight: int, cheap_multipart: bool = False) -> Spread:
+    """How a rank writes ``total`` bytes: the one rule of the DCP writer and CheckpointManager.
+    Pure.
+
+    ``cheap_multipart`` (``Store.cheap_multipart``, file://): one shard, whatever its size; a
+    multipart upload there is parallel ``pwrite`` s into one file, which measured faster than
+    several files written at once. Otherwise (object stores):
+
+    ``part_size x max_in_flight`` is the most one request sends within the memory bound (128 MiB
+    by default):
+
+    * under two parts: one shard, written by one request;
+    * up to ``max_in_flight`` such requests' worth (1 GiB by default): ``min(max_in_flight,
+      total / part_size)`` shards written at once, each by ONE request. As many requests are in
+      flight as a multipart upload's parts would be, so nothing is lost in parallelism, but each
+      shard costs one request instead of a create, its parts and a completion, and the server
+      assembles nothing (512 MiB at the defaults: 8 requests, where one multipart upload of
+      16 MiB parts makes 34);
+    * larger: ``max_in_flight`` multipart shards written at once, each at least
+      :data:`SPREAD_PARTS` parts, so the per-shard requests stay a small share.
+    """
+    if cheap_multipart:
+        return Spread(1, None)
+    one_request = part_size * max_in_flight
+    if total <= max_in_flight * one_request:
+        shards = max(1, min(max_in_flight, total // part_size))
+        return Spread(shards, one_request if shards > 1 else None)
+    return Spread(max(1, min(max_in_flight, total // (SPREAD_PARTS * part_size))), None)
 
 
 class ShardWriter:

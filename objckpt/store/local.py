@@ -104,6 +104,8 @@ class LocalStore(_LocalWrites, _LocalReads):
     # CREATE by hard link and update/overwrite under flock: every guarantee holds under races
     # (with create=lock, among objckpt writers, which the user opted into).
     capabilities = Capabilities.ALL
+    # parts are pwrites into one staging file, the completion a rename (see Store)
+    cheap_multipart = True
 
     @classmethod
     def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> LocalStore:

@@ -374,17 +374,17 @@ def _plan_manager(
     resolver: serialization.Resolver | None,
 ) -> tuple[list[_Tensor], list[_Source], list[str], str]:
     """A CheckpointManager checkpoint's entry: a replicated one joined from every rank's
-    ``replicated.bin`` (the structure from the skeleton, the tensors from each rank's table), a
+    replicated shards (the structure from the skeleton, the tensors from each rank's table), a
     per-rank one from ``rank``'s ``rank.bin``. Returns the tensors, sources, skipped names and the
     entry chosen; reads only the container headers."""
-    from .shards import RANK_SHARD, REPLICATED_SHARD
+    from .shards import RANK_SHARD, replicated_receipts
 
     topo = manifest.topology
     replicated = list(topo.get("replicated", []))
     per_rank = list(topo.get("per_rank", []))
     entry = _choose_entry(entry, replicated + per_rank, "model", manifest, store)
     if entry in replicated:
-        receipts = sorted((s for s in manifest.shards if s.name == REPLICATED_SHARD), key=lambda s: s.rank)
+        receipts = replicated_receipts(manifest)  # rank 0's first piece, with the structure, first
         containers = [_read_container(store, r, resolver) for r in receipts]
         for c in containers:
             if not isinstance(c.tree, Mapping):

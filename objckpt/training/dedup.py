@@ -35,7 +35,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,16 +239,16 @@ def build_index(
     *,
     rank: int,
     names: Iterable[str],
-    layout: str | None = None,
+    layouts: Collection[str] | None = None,
 ) -> ChunkIndex | None:
     """The index of ``parent`` for ``rank``: every shard header of ``parent`` this process
     keeps (:func:`remember`), plus the headers of ``rank``'s own shards ``names`` read from the
     store when not kept (one ranged GET each, two for headers over 64 KiB). None when ``parent``
-    is not a checkpoint of ``layout``. A header that cannot be read is logged and left out
+    is not a checkpoint of one of ``layouts``. A header that cannot be read is logged and left out
     (those bytes are simply written again); an outage is not damage and is not hidden either:
     it is logged the same way, since the save itself will meet it.
     """
-    if layout is not None and parent.topology.get("layout") != layout:
+    if layouts is not None and parent.topology.get("layout") not in layouts:
         return None
     index = ChunkIndex(parent)
     for s in parent.shards:

@@ -12,7 +12,7 @@ file, streamed with bounded memory.
 What is exported: one state entry (``entry=``, default ``"model"``) of
 
 * a :class:`~objckpt.training.manager.CheckpointManager` checkpoint written at any world size --
-  replicated entries are joined from every rank's ``replicated.bin``, per-rank entries read from
+  replicated entries are joined from every rank's replicated shards, per-rank entries read from
   rank 0's ``rank.bin`` (``rank=``);
 * a DCP checkpoint (:func:`~objckpt.training.dcp.save_sharded`, e.g. by a 4-rank FSDP2 job) --
   every tensor is assembled at its global shape from the chunks the saving ranks held;
@@ -457,11 +457,11 @@ def plan_export(
     else:
         manifest = reader.load(step, timeline)
     from .dedup import resolver_for
-    from .shards import STATE_LAYOUT
+    from .shards import STATE_LAYOUTS
 
     resolver = resolver_for(store, manifest)  # the sizes of what a version-3 shard may reference
     topo = manifest.topology
-    if topo.get("layout") == STATE_LAYOUT:
+    if topo.get("layout") in STATE_LAYOUTS:
         layout_name = LAYOUT_MANAGER
         tensors, sources, skipped, entry = _plan_manager(
             store, manifest, entry, rank, cast, strip_prefix, add_prefix, resolver

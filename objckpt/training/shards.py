@@ -3,7 +3,13 @@
 Shards of one save (``data/<step>-<attempt>/<rank>/``):
 
 * ``replicated.bin`` -- this rank's part of the replicated state (see :mod:`.replicated`);
-  rank 0's also holds the structure.
+  rank 0's also holds the structure. On an object store a share of two or more of the store's
+  parts is spread over ``replicated.bin``, ``replicated.1.bin``, ... written at once, each by
+  one request up to ``part_size x max_in_flight`` (:func:`objckpt.writer.spread_for`, the DCP
+  writer's rule too): 512 MiB on one rank is 8 PutObjects instead of a 32-part upload whose
+  completion makes the server assemble the whole object. file:// keeps one ``replicated.bin``
+  (``Store.cheap_multipart``). Layout ``objckpt.training/2``; ``/1`` checkpoints, one
+  ``replicated.bin`` per rank, are read as before.
 * ``rank.bin`` -- everything per rank: the global RNG states (Python, NumPy, torch CPU, CUDA),
   random generators, samplers, schedulers, progress, dicts. Its tensors are in a table of their
   own (``{"items": <structure>, "tensors": [...], "rng": ...}``), one entry per storage, as in
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +52,19 @@ from ..coordination.exchange import read_shared
 from ..errors import ManifestError, SerializationError, TrainingStateError
 from ..manifest import Manifest, Reference, ShardReceipt
 from ..reader import Reader
-from ..writer import ShardWriter
 from . import dedup, replicated, serialization
 from ._borrowed_decode import decode_borrowed, detach
 from ._elastic_restore import apply_elastic_rule, refuse_unpartitionable_positions
 from ._ranged_restore import decode_ranged, ranged_applies
+from ._state_layout import (
+    RANK_SHARD,
+    REPLICATED_SHARD,
+    STATE_LAYOUT,
+    STATE_LAYOUTS,
+    replicated_piece,
+    replicated_receipts,
+)
+from ._state_write import Abandoned, write
 from .codec import CompressionPolicy
 from .data import check_data_position
 from .state import (
@@ -75,11 +89,14 @@ __all__ = [
     "RANK_SHARD",
     "REPLICATED_SHARD",
     "STATE_LAYOUT",
+    "STATE_LAYOUTS",
     "Abandoned",
     "Capture",
     "Staged",
     "apply",
     "capture",
+    "replicated_piece",
+    "replicated_receipts",
     "stage",
     "write",
 ]
@@ -87,14 +104,6 @@ __all__ = [
 #: ``stage(replicated_read=)``: each replicated shard downloaded by one rank and shared, or by all
 READ_ONCE, READ_EVERY = "once", "every"
 REPLICATED_READS = (READ_ONCE, READ_EVERY)
-
-STATE_LAYOUT = "objckpt.training/1"
-REPLICATED_SHARD = "replicated.bin"
-RANK_SHARD = "rank.bin"
-
-
-class Abandoned(Exception):
-    """This rank stopped writing an abandoned save (internal: becomes ``ticket.abandon()``)."""
 
 
 @dataclass
@@ -183,99 +192,6 @@ def capture(
     )
 
 
-def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = None) -> list[ShardReceipt]:
-    """Stream this rank's shards of ``cap`` through ``writer``; returns their receipts.
-
-    Raises:
-        Abandoned: ``abandon`` was set (the upload in progress is aborted).
-        StoreError, ...: as :meth:`ShardWriter.write`.
-    """
-    progress = None
-    if abandon is not None:
-
-        def progress(_: int) -> None:
-            # called after every uploaded part: raising here aborts the multipart upload
-            if abandon.is_set():
-                raise Abandoned()
-
-    written = 0
-    chunked = cap.dedup or (cap.compression is not None and cap.compression.enabled)
-    index = None
-    if cap.dedup:
-        parent = dedup.parent_for(writer.store, cap.step)
-        if parent is not None:
-            index = dedup.build_index(
-                writer.store,
-                parent,
-                rank=writer.rank,
-                names=(REPLICATED_SHARD, RANK_SHARD),
-                layout=STATE_LAYOUT,
-            )
-    used: set[serialization.Identity] = set()
-    headers: list[tuple[str, dict[str, Any]]] = []
-    cap.reused_bytes = 0
-    for name, tree in ((REPLICATED_SHARD, cap.replicated_tree), (RANK_SHARD, cap.local_tree)):
-        if tree is None:
-            continue
-        if chunked:
-            encoded: Any = serialization.encode_chunked(tree, _chunk_options(writer, cap, index))
-        else:
-            encoded = serialization.encode(tree)
-        source: Iterable[memoryview] = encoded.buffers()
-        if abandon is not None:
-            source = _abortable(source, abandon)
-        # a chunked shard's layout follows the writer's part size: only a plain one tells its size.
-        # borrow: every buffer the encoder yields stays alive and unchanged until the write
-        # returns (views of the captured tensors, fresh header and compressed bytes), so parts
-        # that straddle them are sent as views instead of being assembled by copying
-        receipt = writer.write(
-            name, source, progress=progress, size=None if chunked else encoded.size, borrow=True
-        )
-        written += receipt.size
-        if chunked:
-            used |= encoded.used
-            cap.reused_bytes += encoded.reused_bytes
-            headers.append((name, encoded.header))
-    cap.bytes_written = written
-    cap.references = index.references_used(used) if index is not None else []
-    for name, header in headers:  # the next save indexes these without a request
-        dedup.remember(writer.store, writer.step, writer.attempt, writer.rank, name, header)
-    return writer.receipts
-
-
-def _never(sample: bytes, length: int) -> bool:
-    return False  # compression without deduplication: no chunk needs its full hash
-
-
-def _chunk_options(
-    writer: ShardWriter, cap: Capture, index: dedup.ChunkIndex | None
-) -> serialization.ChunkOptions:
-    policy = cap.compression if cap.compression is not None and cap.compression.enabled else None
-    return serialization.ChunkOptions(
-        chunk_size=dedup.CHUNK_SIZE,
-        hash_name=dedup.HASH_NAME,
-        hash_fn=dedup.chunk_hash,
-        min_bytes=dedup.MIN_BYTES,
-        lookup=index.lookup if index is not None else None,
-        sample_fn=dedup.chunk_sample,
-        # hash only chunks whose sample the parent has; everything when there is nothing to
-        # compare with (no parent, or one written without samples)
-        candidate=(index.has_sample if index is not None and index.samples else None)
-        if cap.dedup
-        else _never,
-        codec=policy.codec if policy is not None else None,
-        compress=policy.try_compress if policy is not None else None,
-        part_size=writer.part_size or writer.store.part_size,
-    )
-
-
-def _abortable(buffers: Iterable[memoryview], abandon: threading.Event) -> Iterator[memoryview]:
-    for buf in buffers:
-        if abandon.is_set():
-            raise Abandoned()
-        yield buf
-
-
 @dataclass
 class Staged:
     """One rank's decoded and checked checkpoint, not applied yet."""
@@ -329,7 +245,7 @@ def stage(
             world size): fatal, no fallback. The message names the step, the rank and the key.
     """
     topo = manifest.topology
-    if topo.get("layout") != STATE_LAYOUT and isinstance(manifest.metadata.get("dcp"), Mapping):
+    if topo.get("layout") not in STATE_LAYOUTS and isinstance(manifest.metadata.get("dcp"), Mapping):
         from .dcp_bridge import stage_dcp
 
         items, report = stage_dcp(reader.store, manifest, state, rank=rank, strict=strict)
@@ -339,7 +255,12 @@ def stage(
             world_size,
         )
         return Staged(items, None, report, strict)
-    if topo.get("layout") != STATE_LAYOUT:
+    if str(topo.get("layout", "")).startswith("objckpt.training/") and topo["layout"] not in STATE_LAYOUTS:
+        raise TrainingStateError(
+            f"checkpoint step {manifest.step} has layout {topo['layout']!r}, written by a newer "
+            f"objckpt than this one (which reads {list(STATE_LAYOUTS)}); upgrade objckpt to restore it"
+        )
+    if topo.get("layout") not in STATE_LAYOUTS:
         raise TrainingStateError(
             f"checkpoint step {manifest.step} was not written by CheckpointManager (layout "
             f"{topo.get('layout')!r}); use the API that wrote it"
@@ -352,7 +273,7 @@ def stage(
     wanted_rep = [n for n in state if n in rep_names]
     local_names = [n for n in state if n not in rep_names]
     reshardable = [n for n in local_names if callable(getattr(state[n], "reshard_state", None))]
-    rep_receipts = [s for s in manifest.shards if s.name == REPLICATED_SHARD] if wanted_rep else []
+    rep_receipts = replicated_receipts(manifest) if wanted_rep else []
     exchange = comm is not None and comm.world_size > 1 and replicated_read == READ_ONCE
     mine = rank if rank < saved_world else 0
     ranks = list(range(saved_world)) if elastic and reshardable else [mine]

@@ -3,7 +3,9 @@
 ``split_into_shards`` has three regimes (its docstring): one shard for a rank of at most two
 parts; up to ``max_in_flight`` single-request shards for a rank of at most ``max_in_flight``
 requests of ``part_size x max_in_flight`` bytes; beyond that, ``max_in_flight`` multipart shards
-of at least four parts. Requests are counted through a ``CountingStore`` (each retry counts).
+of at least four parts. Requests are counted through a ``CountingStore`` (each retry counts), on memory:// (an object
+store's rules); file://, where a multipart upload is as cheap as one request
+(``Store.cheap_multipart``), keeps one shard.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ PART = 4096
 pytestmark = pytest.mark.usefixtures("quiet_dcp")
 
 
-def _save(tmp_path: Path, sd: dict[str, Any], max_in_flight: int) -> tuple[CountingStore, Any]:
-    store = open_store(f"file://{tmp_path}/run", part_size=str(PART), max_in_flight=str(max_in_flight))
+def _save(
+    tmp_path: Path, sd: dict[str, Any], max_in_flight: int, scheme: str = "memory"
+) -> tuple[CountingStore, Any]:
+    root = f"file://{tmp_path}/run" if scheme == "file" else f"memory://{tmp_path.name}/run"
+    store = open_store(root, part_size=str(PART), max_in_flight=str(max_in_flight))
     counting = CountingStore(store)
     dcp.save(sd, storage_writer=ObjckptStorageWriter(counting, step=1, dedup=False))
     target = {k: torch.zeros_like(v) for k, v in sd.items()}
@@ -86,3 +91,12 @@ def test_a_single_item_larger_than_one_request_is_a_multipart_upload(tmp_path: P
     writes = _data_writes(counting)
     assert writes["create_upload"] == 1 and writes["complete_upload"] == 1 and writes["upload_part"] == 12
     assert writes["put"] == len([s for s in manifest.shards if s.name != METADATA_SHARD]) - 1
+
+
+def test_on_file_a_rank_keeps_one_multipart_shard(tmp_path: Path) -> None:
+    # file://: a multipart upload is parallel pwrites into one file, measured faster than
+    # several files at once; the same 128 KiB that spreads over 8 objects above is one shard
+    sd = {f"t{i}": torch.full((PART,), float(i)) for i in range(8)}
+    counting, manifest = _save(tmp_path, sd, max_in_flight=8, scheme="file")
+    assert _data_writes(counting) == {"create_upload": 1, "upload_part": 32, "complete_upload": 1}
+    assert len([s for s in manifest.shards if s.name != METADATA_SHARD]) == 1

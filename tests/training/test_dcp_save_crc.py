@@ -41,8 +41,8 @@ def test_dcp_save_hashes_each_written_byte_once(tmp_path: Path, hashed: list[int
 
 def test_a_large_rank_spreads_its_items_over_shards_written_at_once(tmp_path: Path) -> None:
     # 4 KiB parts: 8 tensors of 16 KiB = 32 parts, so min(max_in_flight=8, 32) = 8 shards (of one
-    # request each: tests/training/test_dcp_requests.py)
-    store = open_store(f"file://{tmp_path}/run", part_size="4096", max_in_flight="8")
+    # request each: tests/training/test_dcp_requests.py), on an object store (file:// keeps one)
+    store = open_store(f"memory://{tmp_path.name}/run", part_size="4096", max_in_flight="8")
     sd = {f"t{i}": torch.full((4096,), float(i)) for i in range(8)}
     dcp.save(sd, storage_writer=ObjckptStorageWriter(store, step=1, dedup=False))
     data = [r for r in Reader(store).load(1).shards if r.name != METADATA_SHARD]
@@ -51,6 +51,6 @@ def test_a_large_rank_spreads_its_items_over_shards_written_at_once(tmp_path: Pa
     dcp.load(target, storage_reader=ObjckptStorageReader(store))
     assert all(torch.equal(target[k], sd[k]) for k in sd)
     # a small rank keeps one shard
-    small = open_store(f"file://{tmp_path}/small", part_size="4096")
+    small = open_store(f"memory://{tmp_path.name}/small", part_size="4096")
     dcp.save({"w": torch.ones(100)}, storage_writer=ObjckptStorageWriter(small, step=1, dedup=False))
     assert len([r for r in Reader(small).load(1).shards if r.name != METADATA_SHARD]) == 1

@@ -4,7 +4,9 @@ shard layout (:mod:`objckpt.training.shards`).
 Per rank and save: ``shards_per_rank - 1`` per-rank shards (``shard-NN.bin``, ``shard_bytes``
 each: the sharded state) and ``replicated.bin``, this rank's ``1/N`` of the replicated state
 (``replicated_bytes / N``), all written through the rank's ``ShardWriter`` one after the other
-(``shards.write`` writes its shards in sequence; ``write_lanes`` > 1 models concurrent uploads).
+(``write_lanes`` > 1 models concurrent uploads: since 2026-12-06 ``shards.write`` writes a
+replicated share of two parts or more on an object store as that many pieces at once, up to
+``max_in_flight``; one lane is the case of a share under two parts).
 
 Restore (``stage``), ``replicated_read="every"`` (before the fix): a rank reads its own shards
 **and every rank's** ``replicated.bin`` (so each rank downloads the whole replicated state);

@@ -141,7 +141,8 @@ FIXES: tuple[Fix, ...] = (
             "virtual requests in flight (`Pacer.feedback`); a try waits on the virtual clock "
             "until fewer of its rank's lanes are in flight than the limit. The store object's own "
             "`pacing` stays off (one object serves every simulated rank). Lanes: a restore's 8 "
-            "reads; writes are one at a time (as `shards.write`), and retention's pool of 16 "
+            "reads; writes are one at a time (as `shards.write` for a replicated share under two "
+            "parts; a larger one is written as pieces at once), and retention's pool of 16 "
             "HEADs counts as 1 in flight"
         ),
     ),

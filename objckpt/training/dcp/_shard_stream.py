@@ -22,11 +22,9 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from ...errors import LoadRefusedError
+from ...writer import spread_for
 from .. import dedup
 from ._metadata import _dtype_name, _first_line, _ItemLocation
-
-#: a large rank's shard, written alongside others, holds at least this many parts
-_SPREAD_PARTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,41 +54,30 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def split_into_shards(
-    items: list[WriteItem], *, max_shard_bytes: int, part_size: int, max_in_flight: int
+    items: list[WriteItem],
+    *,
+    max_shard_bytes: int,
+    part_size: int,
+    max_in_flight: int,
+    cheap_multipart: bool = False,
 ) -> ShardPlan:
     """Pack items into shards: bytes items first (small, like DCP's writer), then tensors in
     plan order, a new shard whenever one would exceed ``max_shard_bytes`` or the rank's share
     per shard. A rank with no items still writes one empty shard so its receipt shows it took
     part in the save. Pure.
 
-    How a rank's bytes are spread (``part_size x max_in_flight`` is the most one request sends
-    within the memory bound; 128 MiB by default):
-
-    * up to two parts: one shard, one request or a two-part upload (as before);
-    * up to ``max_in_flight`` such requests' worth (1 GiB by default): ``min(max_in_flight,
-      bytes / part_size)`` shards written at once, each by ONE request. The requests in flight
-      are as many as a multipart upload's parts would be, so nothing is lost in parallelism,
-      but each shard costs one request instead of a create, its parts and a completion, and
-      the server assembles nothing (a 512 MiB rank: 8 requests instead of 48);
-    * larger: ``max_in_flight`` multipart shards written at once, each at least
-      ``_SPREAD_PARTS`` parts, so a filesystem writes several files in parallel (ext4 serialises
-      buffered writes to one inode) and the per-shard requests stay a small share.
-
-    A shard that comes out larger than one request (a single big tensor) is written as a
-    multipart upload all the same: ``put_stream`` decides by the bytes it reads."""
+    How many shards are written at once, and which by one request: :func:`objckpt.writer.spread_for`,
+    the rule CheckpointManager's replicated shards follow too. A shard that comes out larger
+    than one request (a single big tensor) is written as a multipart upload all the same:
+    ``put_stream`` decides by the bytes it reads."""
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
         i for i in items if i.type != WriteItemType.BYTE_IO
     ]
     total = sum(item.tensor_storage_size() or 0 for item in ordered)
-    one_request = part_size * max_in_flight
-    single_request_max: int | None = None
-    if total <= max_in_flight * one_request:
-        spread = max(1, min(max_in_flight, total // part_size))
-        if spread > 1:
-            single_request_max = one_request
-    else:
-        spread = max(1, min(max_in_flight, total // (_SPREAD_PARTS * part_size)))
-    limit = min(max_shard_bytes, -(-total // spread)) if spread > 1 else max_shard_bytes
+    spread = spread_for(
+        total, part_size=part_size, max_in_flight=max_in_flight, cheap_multipart=cheap_multipart
+    )
+    limit = min(max_shard_bytes, spread.limit(total)) if spread.shards > 1 else max_shard_bytes
     shards: list[list[WriteItem]] = [[]]
     size = 0
     for item in ordered:
@@ -100,7 +87,7 @@ def split_into_shards(
             size = 0
         shards[-1].append(item)
         size += n
-    return ShardPlan(shards, spread, single_request_max)
+    return ShardPlan(shards, spread.shards, spread.single_request_max)
 
 
 def stream_items(

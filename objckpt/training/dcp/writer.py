@@ -313,13 +313,14 @@ class ObjckptStorageWriter(StorageWriter):
             max_shard_bytes=self.max_shard_bytes,
             part_size=self.store.part_size,
             max_in_flight=self.store.max_in_flight,
+            cheap_multipart=self.store.cheap_multipart,
         )
         shards, self._spread = shard_plan.shards, shard_plan.spread
         if len(shards) == 1:
             written = [write_shard(0, shards[0])]
         else:
-            # several shard files at once (see split_into_shards): one request each up to
-            # single_request_max, and a filesystem writes several files in parallel
+            # several shards at once (see split_into_shards): one request each up to
+            # single_request_max
             with ThreadPoolExecutor(
                 min(len(shards), self._spread), thread_name_prefix="objckpt-dcp-shard"
             ) as pool:
