@@ -91,8 +91,11 @@ def bench(total: int, n_tensors: int, runs: int, dcp_threads: int, root: Path) -
 
     cases = {"objckpt": objckpt, "dcp_fs": dcp_fs, "dcp_objckpt": dcp_objckpt}
     for run in range(-1, runs):  # run -1: warm-up, untimed
+        # DCP's writer in the middle, next to both cases compared with it, in alternating
+        # order (A B C, then C B A); until 2026-12-06 the order rotated, and a pair was two apart
+        # in one run out of three
         names = list(cases)
-        order = names[run % len(names) :] + names[: run % len(names)]  # rotates each run
+        order = names if run % 2 == 0 else names[::-1]
         dirs = {c: root / f"{c}-{run + 1}" for c in cases}
         keep = {c: {"save": list(times[c]["save"]), "load": list(times[c]["load"])} for c in cases}
         for op in ("save", "load"):

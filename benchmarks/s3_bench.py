@@ -2,7 +2,8 @@
 
 ``run_world(cfg)`` starts ``world_size`` worker processes (a gloo group when > 1) that build the
 same state (an ``nn.Module`` of ``n_tensors`` float32 parameters, DDP-style: identical on every
-rank) and, interleaved run by run (the order rotates each run), time:
+rank) and, interleaved run by run (:func:`run_order`: the cases compared run back to back, in
+alternating order), time:
 
 ==============  ============================================================================
 ``objckpt``     ``CheckpointManager.save`` (replicated tensors split across ranks, one
@@ -44,8 +45,10 @@ Asynchronous saves, 1 rank (``benchmarks.run`` adds these cases to the 1-rank wo
 
 A time is barrier-to-barrier on rank 0 (so the slowest rank counts). Each load is checked
 against the state's fingerprint (raw: byte count). In each run every case saves, loads and has
-what it wrote deleted (untimed) before the next case starts, so every case meets the same server
-(the cases' order rotates run by run). Until 2026-12-02 a run did every case's save, then every
+what it wrote deleted (untimed) before the next case starts, so every case meets the same server.
+Until 2026-12-06 the order rotated by one case per run, so two cases compared could run up to
+five cases apart (``objckpt`` and ``objckpt_async``), each meeting a server in another state;
+now they run back to back, A B then B A (:func:`run_order`). Until 2026-12-02 a run did every case's save, then every
 load, then deleted: a save late in a run met a LocalStack holding the run's other saves (~2 GB at
 512 MiB and 5 cases), and with fewer runs than cases the rotation did not even out the places
 (at 8 cases and 3 runs ``objckpt`` saved 1st, 8th and 7th, ``s3tc`` 4th, 3rd and 2nd). Results
@@ -83,6 +86,27 @@ from benchmarks.common import (
 
 CASES = ("objckpt", "raw", "dcp_s3fs", "s3tc", "dcp_objckpt")
 REGION = "us-east-1"
+#: the order cases run in: every two that the scoreboard compares run back to back (DCP load
+#: against raw GETs, DCP against s3torchconnector, the manager's save against s3torchconnector
+#: and against its save_async, the two steady saves); cases not named here run last
+PAIRED_ORDER = (
+    "raw",
+    "dcp_objckpt",
+    "s3tc",
+    "objckpt",
+    "objckpt_async",
+    "dcp_s3fs",
+    "objckpt_steady",
+    "objckpt_async_steady",
+)
+
+
+def run_order(cases: list[str], run: int) -> list[str]:
+    """The cases of ``run`` in :data:`PAIRED_ORDER`, reversed every other run (A B, then B A):
+    a ratio compares two cases timed next to each other, each of them first in half the runs,
+    and every case's average place in a run is the same."""
+    order = [c for c in PAIRED_ORDER if c in cases] + [c for c in cases if c not in PAIRED_ORDER]
+    return order if run % 2 == 0 else order[::-1]
 
 
 # ------------------------------------------------------------------------------ launcher
@@ -490,8 +514,7 @@ def worker(cfg_path: str, rank: int) -> None:
     bench.errors.update(warm_errors)  # a case that cannot run at all is not retried
     times: dict[str, dict[str, list[list[float]]]] = {c: {"save": [], "load": []} for c in cases}
     for run in range(cfg["runs"]):
-        order = cases[run % len(cases) :] + cases[: run % len(cases)]
-        for case in order:
+        for case in run_order(cases, run):
             # each case saves, loads and is deleted before the next starts, so every save meets
             # the same server (see the module docstring)
             for op in ("save", "load"):
@@ -527,11 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--out", default="build/benchmarks/s3_bench.json", help="the raw results (JSON)")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker, args.rank)
         return 0
     from benchmarks.common import Series, paired_ratios, start_server
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
     with start_server(args.server, args.endpoint) as srv:
         cfg = default_cfg(
@@ -541,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             args.tensors,
             args.runs,
             args.cases.split(","),
-            "/tmp/objckpt-s3-bench.json",
+            str(Path(args.out).resolve()),
         )
         res = run_world(cfg, timeout=3600)
     print(json.dumps(res.get("errors", {}), indent=1), res.get("error", ""))
