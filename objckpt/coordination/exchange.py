@@ -34,13 +34,14 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from .._crc import Buffer, crc32c_b64
 from ..errors import DistributedError, decode_error, encode_error, is_damage, with_rank
 from ..manifest import ShardReceipt
-from ..reader import Reader
+from ..reader import Reader, read_window
 from .comm import Comm, agree, writable_buffer
 
 __all__ = ["SharedPlan", "assign", "check_received", "plan_shared", "read_shared"]
@@ -202,8 +203,9 @@ def _split(
 
 def _download(reader: Reader, receipts: Sequence[ShardReceipt], size: int) -> Buffer:
     """This rank's shards of the exchange, each read (size and CRC32C verified; by parallel
-    ranged GETs when larger than a part, :meth:`Reader.read_shard_into`) straight into its
-    place in one buffer of ``size`` bytes: the contribution it sends and the memory its own
+    ranged GETs when larger than a part, :meth:`Reader.read_shard_into`; several shards at once
+    when each needs fewer ranges than the store reads at once) straight into its place in one
+    buffer of ``size`` bytes: the contribution it sends and the memory its own
     shards are decoded from (no joined copy, no second buffer; :func:`.comm.writable_buffer`).
 
     Raises:
@@ -213,10 +215,29 @@ def _download(reader: Reader, receipts: Sequence[ShardReceipt], size: int) -> Bu
     if not size:
         return b""
     view = writable_buffer(size)
-    offset = 0
+    places, offset = [], 0
     for r in receipts:
-        reader.read_shard_into(r, view[offset : offset + r.size])
+        places.append((r, view[offset : offset + r.size]))
         offset += r.size
+    # several shards at once, so that a contribution of many pieces (a replicated share spread
+    # over one-request objects) keeps about as many requests in flight as one large shard's
+    # ranged reads would: read_window in all, each shard's own ranges counted
+    window = read_window(reader.store)
+    ranges = max(-(-r.size // max(1, reader.store.part_size)) for r in receipts)
+    at_once = max(1, min(len(receipts), window // ranges))
+    if at_once == 1:
+        for r, dest in places:
+            reader.read_shard_into(r, dest)
+        return view
+    with ThreadPoolExecutor(at_once, thread_name_prefix="objckpt-exchange-read") as pool:
+        futures = [pool.submit(reader.read_shard_into, r, dest) for r, dest in places]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()  # the reads not started: the contribution has failed
+            raise
     return view
 
 

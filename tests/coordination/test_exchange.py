@@ -8,6 +8,7 @@ holding; errors follow the one damage rule on every rank.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -393,3 +394,38 @@ def test_one_rank_or_more_ranks_than_shards(world: int):
     receipts = _write_shared(inner, [1000, 900])
     results = _run(world, lambda comm: read_shared(comm, Reader(inner), receipts, "test"))
     assert all(r == {x.key: inner.get(x.key) for x in receipts} for r in results)
+
+
+class _Together(CountingStore):
+    """Every shard open waits until ``parties`` opens are under way: shards read one after
+    another break the barrier (its timeout) instead of passing it."""
+
+    def __init__(self, inner: Any, parties: int) -> None:
+        super().__init__(inner, close_inner=False)
+        self.barrier = threading.Barrier(parties, timeout=10)
+
+    def _invoke(self, op: str, key: str, keys: Any, fn: Any, *args: Any) -> Any:
+        if op == "open" and key.startswith("data/"):
+            self.barrier.wait()
+        return super()._invoke(op, key, keys, fn, *args)
+
+
+def test_a_contribution_of_many_small_shards_is_read_several_at_once():
+    # a replicated share spread over one-request pieces: 8 shards of one part each for one
+    # rank, read 8 at once (read_window) as one large shard's 8 ranged GETs would be
+    from objckpt.writer import ShardWriter
+
+    store = memory_store(part_size=1024, max_in_flight=8)
+    writer = ShardWriter(store, step=5, attempt=layout.new_attempt_id(), rank=0)
+    data = [bytes([k + 1]) * 1000 for k in range(8)]
+    receipts = [
+        writer.write("replicated.bin" if k == 0 else f"replicated.{k}.bin", d) for k, d in enumerate(data)
+    ]
+    together = _Together(store, parties=8)
+
+    def rank(comm: Comm) -> dict[str, Any]:
+        return read_shared(comm, Reader(together), receipts, "test")
+
+    (got,) = _run(1, rank)
+    assert {k: bytes(v) for k, v in got.items()} == {r.key: d for r, d in zip(receipts, data, strict=True)}
+    assert together.counts["open"] == 8  # each shard once
