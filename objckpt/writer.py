@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from . import layout
@@ -22,7 +22,7 @@ from .errors import ChecksumMismatchError, NotSupportedError
 from .manifest import ShardReceipt
 from .store.base import BytesSource, PutMode, Store, StreamChecksums
 
-__all__ = ["ShardWriter", "Spread", "spread_for"]
+__all__ = ["ShardWriter", "Spread", "pack", "spread_for"]
 
 #: a large rank's shard, written alongside others, holds at least this many parts
 SPREAD_PARTS = 4
@@ -40,6 +40,20 @@ class Spread:
     def limit(self, total: int) -> int:
         """The bytes each shard should hold so that ``total`` bytes fill :attr:`shards` shards."""
         return -(-total // self.shards) if self.shards > 1 else max(total, 1)
+
+
+def pack(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Indices of ``sizes`` in order, grouped: a new group whenever the next one would take the
+    current group past ``limit`` (a size larger than ``limit`` gets a group of its own). Pure."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for k, n in enumerate(sizes):
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    return groups
 
 
 def spread_for(total: int, *, part_size: int, max_in_flight: int, cheap_multipart: bool = False) -> Spread:

@@ -34,11 +34,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from .._crc import Buffer, crc32c_b64
+from .._pool import run_all
 from ..errors import DistributedError, decode_error, encode_error, is_damage, with_rank
 from ..manifest import ShardReceipt
 from ..reader import Reader, read_window
@@ -225,19 +226,10 @@ def _download(reader: Reader, receipts: Sequence[ShardReceipt], size: int) -> Bu
     window = read_window(reader.store)
     ranges = max(-(-r.size // max(1, reader.store.part_size)) for r in receipts)
     at_once = max(1, min(len(receipts), window // ranges))
-    if at_once == 1:
-        for r, dest in places:
-            reader.read_shard_into(r, dest)
-        return view
-    with ThreadPoolExecutor(at_once, thread_name_prefix="objckpt-exchange-read") as pool:
-        futures = [pool.submit(reader.read_shard_into, r, dest) for r, dest in places]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()  # the reads not started: the contribution has failed
-            raise
+    # a failed read cancels those not started: the contribution has failed
+    run_all(
+        [partial(reader.read_shard_into, r, dest) for r, dest in places], at_once, "objckpt-exchange-read"
+    )
     return view
 
 

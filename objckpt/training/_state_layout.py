@@ -35,5 +35,6 @@ def replicated_piece(name: str) -> int | None:
 def replicated_receipts(manifest: Manifest) -> list[ShardReceipt]:
     """Every rank's replicated shards in ``manifest``, by rank then piece (rank 0's first piece,
     which holds the structure, first)."""
-    pieces = [(s.rank, replicated_piece(s.name), s) for s in manifest.shards]
-    return [s for rank, piece, s in sorted((p for p in pieces if p[1] is not None), key=lambda p: p[:2])]
+    numbered = [(s.rank, replicated_piece(s.name), s) for s in manifest.shards]
+    pieces = [(rank, number, s) for rank, number, s in numbered if number is not None]
+    return [s for _, _, s in sorted(pieces, key=lambda p: p[:2])]

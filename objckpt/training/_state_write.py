@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from .._pool import run_all
 from ..manifest import ShardReceipt
-from ..writer import ShardWriter, Spread, spread_for
+from ..writer import ShardWriter, Spread, pack, spread_for
 from . import dedup, serialization
 from ._state_layout import RANK_SHARD, REPLICATED_SHARD, STATE_LAYOUTS
 
@@ -60,7 +61,9 @@ def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = N
                 layouts=STATE_LAYOUTS,
             )
 
-    def one(name: str, tree: Any, single_request_max: int | None) -> tuple[str, int, Any]:
+    todo, spread = _shards_to_write(writer, cap)
+
+    def one(name: str, tree: Any) -> tuple[str, int, Any]:
         if chunked:
             encoded: Any = serialization.encode_chunked(tree, _chunk_options(writer, cap, index))
         else:
@@ -78,22 +81,14 @@ def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = N
             progress=progress,
             size=None if chunked else encoded.size,
             borrow=True,
-            single_request_max=single_request_max,
+            single_request_max=spread.single_request_max,
         )
         return name, receipt.size, encoded if chunked else None
 
-    todo, at_once = _shards_to_write(writer, cap)
-    if at_once == 1:
-        written = [one(*shard) for shard in todo]
-    else:
-        with ThreadPoolExecutor(at_once, thread_name_prefix="objckpt-shard") as pool:
-            futures = [pool.submit(one, *shard) for shard in todo]
-            try:
-                written = [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()  # pieces not started yet: the save has failed
-                raise
+    # the replicated pieces at once, rank.bin after them (a failed one cancels those not
+    # started: the save has failed)
+    at_once = min(spread.shards, len(todo) - 1)
+    written = run_all([partial(one, name, tree) for name, tree in todo], at_once, "objckpt-shard")
     used: set[serialization.Identity] = set()
     cap.reused_bytes = 0
     cap.bytes_written = sum(size for _, size, _ in written)
@@ -108,44 +103,32 @@ def write(writer: ShardWriter, cap: Capture, abandon: threading.Event | None = N
     return writer.receipts
 
 
-def _shards_to_write(writer: ShardWriter, cap: Capture) -> tuple[list[tuple[str, Any, int | None]], int]:
-    """The shards of ``cap`` as (name, tree, single_request_max), and how many are written at
-    once: the replicated share spread by :func:`objckpt.writer.spread_for` over pieces of about
-    equal size (tensors in table order; rank 0's first piece keeps the structure), then
-    ``rank.bin``. A compressed save keeps one piece: its bytes are fresh buffers, not views of
-    the tensors, and a one-request piece holds all of them at once."""
-    todo: list[tuple[str, Any, int | None]] = []
-    at_once = 1
+def _shards_to_write(writer: ShardWriter, cap: Capture) -> tuple[list[tuple[str, Any]], Spread]:
+    """The shards of ``cap`` as (name, tree), and how they are spread: the replicated share over
+    pieces of about equal size by :func:`objckpt.writer.spread_for` (tensors in table order;
+    rank 0's first piece keeps the structure), then ``rank.bin``. A compressed save keeps one
+    piece: its bytes are fresh buffers, not views of the tensors, and a one-request piece holds
+    all of them at once."""
     tree = cap.replicated_tree
-    if tree is not None:
-        sizes = [t.numel() * t.element_size() for t in tree["tensors"]]
-        total = sum(sizes)
-        compressed = cap.compression is not None and cap.compression.enabled
-        spread = Spread(1, None)
-        if not compressed:
-            spread = spread_for(
-                total,
-                part_size=writer.part_size or writer.store.part_size,
-                max_in_flight=writer.max_in_flight or writer.store.max_in_flight,
-                cheap_multipart=writer.store.cheap_multipart,
-            )
-        groups: list[list[int]] = [[]]
-        size, limit = 0, spread.limit(total)
-        for k, n in enumerate(sizes):
-            if groups[-1] and size + n > limit:
-                groups.append([])
-                size = 0
-            groups[-1].append(k)
-            size += n
-        for number, ks in enumerate(groups):
-            piece = {"index": [tree["index"][k] for k in ks], "tensors": [tree["tensors"][k] for k in ks]}
-            if number == 0:  # the structure (rank 0), in the shard a /1 reader would look for
-                piece.update((k, v) for k, v in tree.items() if k not in piece)
-            name = REPLICATED_SHARD if number == 0 else f"replicated.{number}.bin"
-            todo.append((name, piece, spread.single_request_max))
-        at_once = min(len(groups), spread.shards)
-    todo.append((RANK_SHARD, cap.local_tree, None))
-    return todo, at_once
+    if tree is None:
+        return [(RANK_SHARD, cap.local_tree)], Spread(1, None)
+    sizes = [t.numel() * t.element_size() for t in tree["tensors"]]
+    spread = Spread(1, None)
+    if cap.compression is None or not cap.compression.enabled:
+        spread = spread_for(
+            sum(sizes),
+            part_size=writer.part_size or writer.store.part_size,
+            max_in_flight=writer.max_in_flight or writer.store.max_in_flight,
+            cheap_multipart=writer.store.cheap_multipart,
+        )
+    todo: list[tuple[str, Any]] = []
+    for number, ks in enumerate(pack(sizes, spread.limit(sum(sizes)))):
+        piece = {"index": [tree["index"][k] for k in ks], "tensors": [tree["tensors"][k] for k in ks]}
+        if number == 0:  # the structure (rank 0), in the shard a /1 reader would look for
+            piece.update((k, v) for k, v in tree.items() if k not in piece)
+        todo.append((REPLICATED_SHARD if number == 0 else f"replicated.{number}.bin", piece))
+    todo.append((RANK_SHARD, cap.local_tree))
+    return todo, spread
 
 
 def _never(sample: bytes, length: int) -> bool:

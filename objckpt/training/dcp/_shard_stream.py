@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from ...errors import LoadRefusedError
-from ...writer import spread_for
+from ...writer import pack, spread_for
 from .. import dedup
 from ._metadata import _dtype_name, _first_line, _ItemLocation
 
@@ -78,15 +78,8 @@ def split_into_shards(
         total, part_size=part_size, max_in_flight=max_in_flight, cheap_multipart=cheap_multipart
     )
     limit = min(max_shard_bytes, spread.limit(total)) if spread.shards > 1 else max_shard_bytes
-    shards: list[list[WriteItem]] = [[]]
-    size = 0
-    for item in ordered:
-        n = item.tensor_storage_size() or 0
-        if shards[-1] and size + n > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += n
+    groups = pack([item.tensor_storage_size() or 0 for item in ordered], limit)
+    shards = [[ordered[k] for k in group] for group in groups]
     return ShardPlan(shards, spread.shards, spread.single_request_max)
 
 
