@@ -56,13 +56,18 @@ def _stop_all_at_exit() -> None:
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM the server when the thread that started it dies (even by SIGKILL, which
-    skips atexit). Elsewhere a no-op."""
+    """Linux: SIGKILL the server when the thread that started it dies (even by SIGKILL, which
+    skips atexit). Elsewhere a no-op.
+
+    SIGKILL, not SIGTERM: a server whose owner is gone holds only throwaway state, and
+    LocalStack (host mode, 4.x) was seen to catch a SIGTERM that came this way and keep
+    serving, idle, for over an hour after its benchmark run was killed (2026-12-06). The
+    orderly path (:meth:`_ServerProcess.stop`) still sends SIGTERM first."""
     with contextlib.suppress(Exception):
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 atexit.register(_stop_all_at_exit)
