@@ -46,6 +46,7 @@ from benchmarks.common import (  # noqa: E402
     REPO,
     MiB,
     Series,
+    host_state,
     localstack_available,
     machine_info,
     paired_ratios,
@@ -593,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             results["resolve"] = {"error": f"{type(exc).__name__}: {exc}"}
+    results["machine"].update(host_state("end"))
     results["elapsed_s"] = time.monotonic() - started
     (out_dir / f"results-{mode_name}.json").write_text(json.dumps(results, indent=1, default=str))
     body = render(results)
