@@ -526,6 +526,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--localstack-endpoint", help="use a running LocalStack")
     ap.add_argument("--moto-endpoint", help="use a running moto server")
     ap.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
+    ap.add_argument(
+        "--results-dir",
+        default=str(REPO / "build" / "benchmarks"),
+        help="where the raw results (JSON) and the legs' files go",
+    )
     args = ap.parse_args(argv)
 
     mode_name = "quick" if args.quick else "full"
@@ -534,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         mode["runs"] = max(3, args.runs)
     if args.mib:
         mode["mib"] = mode["file_mib"] = args.mib
-    out_dir = REPO / "build" / "benchmarks"
+    out_dir = Path(args.results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results: dict[str, Any] = {

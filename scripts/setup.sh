@@ -24,9 +24,9 @@ fi
 stamp=.venv/.objckpt-installed
 want=$(cat pyproject.toml constraints.txt | cksum)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "objckpt setup: installing objckpt[all,dev,integrations] into .venv (torch pinned to the CPU wheel)"
+  echo "objckpt setup: installing objckpt[all,dev,integrations,bench] into .venv (torch pinned to the CPU wheel)"
   .venv/bin/python -m pip install -q --upgrade pip
   # DS_BUILD_OPS=0: DeepSpeed installs without compiling its CUDA/C++ ops (CPU tests only).
-  DS_BUILD_OPS=0 .venv/bin/python -m pip install -q -c constraints.txt -e '.[all,dev,integrations]'
+  DS_BUILD_OPS=0 .venv/bin/python -m pip install -q -c constraints.txt -e '.[all,dev,integrations,bench]'
   echo "$want" > "$stamp"
 fi
