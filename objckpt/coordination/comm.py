@@ -85,6 +85,27 @@ class Comm(ABC):
             raise DistributedError(f"{what}: rank {src} sent no bytes")
         return base64.b64decode(got)
 
+    def broadcast_into(self, buffer: memoryview, what: str, *, src: int) -> None:
+        """Rank ``src``'s ``buffer`` written into every other rank's ``buffer``, which holds the
+        same number of bytes on every rank (the callers' shared plan says how many; no length
+        is sent). A collective of every rank; nothing when the buffer is empty. The default goes
+        through :meth:`broadcast_bytes` (a copy); the gloo ``DistComm`` receives in place.
+
+        Raises:
+            DistributedError: a rank did not take part in time, or sent another number of bytes.
+        """
+        _check_src(self, src, what)
+        view = memoryview(buffer).cast("B")
+        if not view.nbytes:
+            return
+        got = self.broadcast_bytes(bytes(view) if self.rank == src else None, what, src=src)
+        if self.rank != src:
+            if len(got) != view.nbytes:
+                raise DistributedError(
+                    f"{what}: rank {self.rank} expected {view.nbytes} bytes from rank {src}, got {len(got)}"
+                )
+            view[:] = got
+
     def all_gather_bytes(self, data: Buffer | None, sizes: Sequence[int], what: str) -> Sequence[Buffer]:
         """Every rank's bytes on every rank, in rank order: rank ``r`` contributes exactly
         ``sizes[r]`` bytes. ``sizes`` is known to every rank in advance (every rank passes the

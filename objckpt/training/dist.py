@@ -207,6 +207,24 @@ class DistComm(Comm):
             raise DistributedError(f"{what}: rank {src} has no bytes to send")
         return self._broadcast_raw((data or b"") if self.rank == src else b"", what, False, src)
 
+    def broadcast_into(self, buffer: memoryview, what: str, *, src: int) -> None:
+        """Rank ``src``'s ``buffer`` received straight into every other rank's (see
+        :meth:`Comm.broadcast_into`): broadcasts of at most ``exchange_budget`` bytes over the
+        data group, no copy on either side."""
+        if not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(f"{what}: source rank {src!r} outside world of size {self.world_size}")
+        view = memoryview(buffer).cast("B")
+        if not view.nbytes:
+            return
+        step = max(1, self.exchange_budget)
+
+        def go() -> None:
+            for start in range(0, view.nbytes, step):
+                tensor = torch.frombuffer(view[start : start + step], dtype=torch.uint8)
+                torch.distributed.broadcast(tensor, group=self._data, group_src=src)
+
+        self._run(what, False, go)
+
     def _all_gather_bytes(self, mine: Buffer, sizes: list[int], what: str) -> Sequence[Buffer]:
         """Every rank's bytes on every rank (see :meth:`Comm.all_gather_bytes`) over the data
         group, with no length collective (every rank knows ``sizes``); no collective at all when

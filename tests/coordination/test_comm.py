@@ -130,3 +130,38 @@ def test_bounded_rounds_cover_every_byte_and_their_number_does_not_grow_with_the
         covered += width
     assert covered == max(sizes)
     assert exchange_rounds([0] * world_size, budget) == []
+
+
+# ------------------------------------------------------------------ broadcast_into (Comm default)
+
+
+def test_broadcast_into_writes_the_sources_bytes_into_every_other_ranks_buffer() -> None:
+    world = ThreadWorld(3, timeout=30)
+
+    def rank(comm: Comm) -> tuple[bytes, int]:
+        c = _OnlyBroadcasts(comm)
+        buffer = bytearray(_payload(9, 100)) if comm.rank == 1 else bytearray(100)
+        c.broadcast_into(memoryview(buffer), "x", src=1)
+        c.broadcast_into(memoryview(bytearray(0)), "empty", src=0)  # nothing to send: no collective
+        return bytes(buffer), c.byte_broadcasts
+
+    results = world.run(rank)
+    assert [got for got, _ in results] == [_payload(9, 100)] * 3
+    assert [n for _, n in results] == [1, 1, 1]
+
+
+def test_broadcast_into_a_buffer_of_another_size_raises_on_the_receiver() -> None:
+    world = ThreadWorld(2, timeout=30)
+
+    def rank(comm: Comm) -> str:
+        buffer = bytearray(10 if comm.rank == 0 else 12)
+        try:
+            comm.broadcast_into(memoryview(buffer), "x", src=0)
+        except DistributedError as exc:
+            return str(exc)
+        return "ok"
+
+    assert world.run(rank) == ["ok", "x: rank 1 expected 12 bytes from rank 0, got 10"]
+    local = bytearray(b"abc")
+    LocalComm().broadcast_into(memoryview(local), "x", src=0)  # one rank: its own bytes stay
+    assert local == b"abc"

@@ -61,6 +61,8 @@ class LoadItem:
     scratch: Any = None  # keeps the scratch buffer alive
     pieces: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (offset, size, crc)
     received: int = 0
+    #: keep ``buffer`` once finished: a read-once load sends its bytes to the other ranks next
+    keep: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +201,8 @@ def _land(
             _verify(item, store, step)
             assert item.buffer is not None
             finish(item, item.buffer)
-            item.buffer = item.scratch = None  # scratch freed as soon as it is copied out
+            if not item.keep:
+                item.buffer = item.scratch = None  # scratch freed as soon as it is copied out
 
 
 def _verify(item: LoadItem, store: Store, step: Any) -> None:

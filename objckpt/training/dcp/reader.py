@@ -39,6 +39,7 @@ from ...manifest import Manifest
 from ...reader import Reader
 from ...store import Store
 from .. import dedup
+from ..dist import shared_comm
 from ._load import LoadItem, narrow, plan_reads, run_reads, tensor_from
 from ._metadata import (
     _COALESCE_GAP,
@@ -53,6 +54,7 @@ from ._metadata import (
     _warn_fallback,
     decode_metadata,
 )
+from ._read_once import ReadOncePlan, assign_owners, load_read_once, with_owners
 
 log = logging.getLogger("objckpt.training.dcp")
 
@@ -73,6 +75,13 @@ class ObjckptStorageReader(StorageReader):
     Every rank resolves on its own; rank 0 checks in ``prepare_global_plan`` that all ranks
     resolved the same checkpoint (:class:`DistributedError` otherwise).
 
+    ``read_once`` (default True): when every rank of the default process group loads, the items
+    every rank requests (a replicated model or optimizer state) are read from the store by one
+    rank each and sent to the others over gloo, CRC32C-checked on receipt (invariant 16; see
+    :mod:`._read_once`); a load on a subgroup, or with ``read_once=False``, reads every item on
+    every rank that requests it. A damaged item then fails the load on every rank with the same
+    error.
+
     Errors (inside ``dcp.load`` they reach you wrapped in DCP's ``CheckpointException``;
     :func:`load_sharded` unwraps them): :class:`NoCheckpointError` when nothing valid is
     committed (or the step does not exist), :class:`ManifestError` for bad metadata,
@@ -91,8 +100,12 @@ class ObjckptStorageReader(StorageReader):
         *,
         manifest: Manifest | None = None,
         store_options: Mapping[str, Any] | None = None,
+        read_once: bool = True,
     ) -> None:
         super().__init__()
+        #: items every rank loads are read from the store by one rank and sent to the others
+        #: (:mod:`._read_once`); only when every rank of the default group takes part
+        self.read_once = read_once
         self.store, self._owns_store = open_root(uri_or_store, store_options)
         # what re-opens the store after unpickling (see __getstate__)
         self._uri = uri_or_store if isinstance(uri_or_store, str) else None
@@ -256,12 +269,28 @@ class ObjckptStorageReader(StorageReader):
                 f"ranks resolved different checkpoints (rank 0: step {mine.step} attempt "
                 f"{mine.attempt}; {detail}); retry the load or pass an explicit step"
             )
-        return plans
+        if not self._whole_world(len(plans)):
+            return plans
+        owners = assign_owners(plans, self._locations)
+        return with_owners(plans, owners, mine) if owners else plans
+
+    def _whole_world(self, ranks: int) -> bool:
+        """Whether this load spans every rank of the default group (read-once needs a
+        communicator every rank of the load creates; a subgroup's load reads per rank)."""
+        return (
+            self.read_once
+            and ranks > 1
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() == ranks
+        )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch this rank's items with parallel, bounded ranged reads straight into their
         destination tensors (``_load``), verify each item's CRC32C, then hand tensors and
-        weights-only-loaded bytes items to the planner."""
+        weights-only-loaded bytes items to the planner. In a read-once load (the plan carries a
+        :class:`ReadOncePlan`) a collective of every rank: the shared items another rank reads
+        arrive over the process group instead."""
         per_index: dict[MetadataIndex, list[ReadItem]] = {}
         for req in plan.items:
             per_index.setdefault(req.storage_index, []).append(req)
@@ -274,6 +303,22 @@ class ObjckptStorageReader(StorageReader):
                 )
             key, _ = self._keys[_where(loc)]
             items.append(LoadItem(key, loc, reqs))
+        if isinstance(plan.storage_data, ReadOncePlan):
+            load_read_once(
+                shared_comm(),
+                self.store,
+                plan,
+                items,
+                planner,
+                cap=self.read_cap,
+                gap=_COALESCE_GAP,
+                window=max(1, self.store.max_in_flight),
+                finish=lambda item, data: self._apply(item, data, planner),
+                step=self.step,
+            )
+            fut: Future[None] = Future()
+            fut.set_result(None)
+            return fut
         reads = plan_reads(items, cap=self.read_cap, gap=_COALESCE_GAP)
         run_reads(
             self.store,
@@ -284,9 +329,9 @@ class ObjckptStorageReader(StorageReader):
             finish=lambda item, data: self._apply(item, data, planner),
             step=self.step,
         )
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
     @property
     def read_cap(self) -> int:
