@@ -35,6 +35,7 @@ subgroup reads per rank, as before.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,8 @@ from ...errors import DistributedError, decode_error, encode_error, is_damage, w
 from ...store import Store
 from ._load import LoadItem, _prepare, plan_reads, run_reads
 from ._metadata import _ItemLocation, _ResolvedCheckpoint
+
+log = logging.getLogger("objckpt.training.dcp")
 
 __all__ = ["ReadOncePlan", "assign_owners", "index_order", "load_read_once"]
 
@@ -139,43 +142,51 @@ def load_read_once(
     Raises (the same on every rank, except the transport check):
         ChecksumMismatchError / NotFoundError (damage, prefixed with the reading rank), or any
             other error of a read (never damage), from whichever rank failed first.
-        DistributedError: the plans do not match their owners (a planner changed them after
-            the global plan); a rank did not take part in time; or (on the receiving rank only,
+        DistributedError: a rank did not take part in time; or (on the receiving rank only,
             after the exchange) an item's bytes arrived different from the checkpoint's.
+
+    A rank whose plan no longer matches its owners (a planner changed it after the global
+    plan) reads every item itself, and so does every rank then (logged; no exchange).
     """
     spec = plan.storage_data
     assert isinstance(spec, ReadOncePlan)
     by_index = {item.reqs[0].storage_index: item for item in items}
     indices = sorted(by_index, key=index_order)
     error: BaseException | None = None
-    owner_of: dict[MetadataIndex, int] = {}
-    if len(indices) != len(spec.owners):
-        error = DistributedError(
-            f"rank {comm.rank}'s load plan has {len(indices)} items where the global plan gave it "
-            f"{len(spec.owners)}: a planner changed the plan after prepare_global_plan"
-        )
-    else:
-        owner_of = {i: o for i, o in zip(indices, spec.owners, strict=True) if o >= 0}
+    # A planner that changed the plans after the global plan (their items no longer match the
+    # owners) makes this rank read every item itself; the ranks then agree to skip the exchange.
+    matched = len(indices) == len(spec.owners)
+    owner_of = {i: o for i, o in zip(indices, spec.owners, strict=True) if o >= 0} if matched else {}
     own = [item for index, item in by_index.items() if owner_of.get(index, comm.rank) == comm.rank]
     for item in own:
         item.keep = item.reqs[0].storage_index in owner_of  # its bytes are sent after the reads
-    if error is None:
-        try:
-            run_reads(
-                store,
-                own,
-                plan_reads(own, cap=cap, gap=gap),
-                planner,
-                window=window,
-                finish=finish,
-                step=step,
-            )
-        except Exception as exc:  # noqa: BLE001 - classified by the one damage rule, agreed below
-            error = exc
-    verdict: dict[str, Any] = {}
+
+    def read(batch: list[LoadItem]) -> None:
+        run_reads(
+            store,
+            batch,
+            plan_reads(batch, cap=cap, gap=gap),
+            planner,
+            window=window,
+            finish=finish,
+            step=step,
+        )
+
+    try:
+        read(own)
+    except Exception as exc:  # noqa: BLE001 - classified by the one damage rule, agreed below
+        error = exc
+    verdict: dict[str, Any] = {} if matched else {"unmatched": len(indices)}
     if error is not None:
         verdict["damaged" if is_damage(error) else "fatal"] = encode_error(error)
-    agree(comm, verdict, _decide, "DCP load: reading the shared items")
+    if not agree(comm, verdict, _decide, "DCP load: reading the shared items"):
+        log.warning(
+            "DCP load: a rank's plan no longer matches the global plan; every rank reads its own items"
+        )
+        for item in own:
+            item.keep, item.buffer, item.scratch = False, None, None
+        read([item for index, item in by_index.items() if index in owner_of and owner_of[index] != comm.rank])
+        return
     corrupt: list[str] = []
     for index in sorted(owner_of, key=index_order):
         item, src = by_index[index], owner_of[index]
@@ -199,9 +210,10 @@ def load_read_once(
 
 def _decide(verdicts: list[dict[str, Any]]) -> bool:
     """Rank 0: a non-damage error outranks damage (it must never turn into a fallback); the
-    first failing rank's error is raised on every rank."""
+    first failing rank's error is raised on every rank. Else whether to exchange: not when a
+    rank's plan no longer matched its owners (it read everything itself)."""
     for kind in ("fatal", "damaged"):
         for rank, verdict in enumerate(verdicts):
             if kind in verdict:
                 raise with_rank(decode_error(verdict[kind]), rank)
-    return True
+    return not any("unmatched" in verdict for verdict in verdicts)
