@@ -303,6 +303,11 @@ class ObjckptStorageReader(StorageReader):
                 )
             key, _ = self._keys[_where(loc)]
             items.append(LoadItem(key, loc, reqs))
+        window = max(1, self.store.max_in_flight)
+
+        def finish(item: LoadItem, data: memoryview) -> None:
+            self._apply(item, data, planner)
+
         if isinstance(plan.storage_data, ReadOncePlan):
             load_read_once(
                 shared_comm(),
@@ -312,23 +317,13 @@ class ObjckptStorageReader(StorageReader):
                 planner,
                 cap=self.read_cap,
                 gap=_COALESCE_GAP,
-                window=max(1, self.store.max_in_flight),
-                finish=lambda item, data: self._apply(item, data, planner),
+                window=window,
+                finish=finish,
                 step=self.step,
             )
-            fut: Future[None] = Future()
-            fut.set_result(None)
-            return fut
-        reads = plan_reads(items, cap=self.read_cap, gap=_COALESCE_GAP)
-        run_reads(
-            self.store,
-            items,
-            reads,
-            planner,
-            window=max(1, self.store.max_in_flight),
-            finish=lambda item, data: self._apply(item, data, planner),
-            step=self.step,
-        )
+        else:
+            reads = plan_reads(items, cap=self.read_cap, gap=_COALESCE_GAP)
+            run_reads(self.store, items, reads, planner, window=window, finish=finish, step=self.step)
         done: Future[None] = Future()
         done.set_result(None)
         return done
