@@ -106,6 +106,8 @@ class LocalStore(_LocalWrites, _LocalReads):
     capabilities = Capabilities.ALL
     # parts are pwrites into one staging file, the completion a rename (see Store)
     cheap_multipart = True
+    # reads are page-cache copies (see Store)
+    cheap_reads = True
 
     @classmethod
     def from_uri(cls, parsed: ParsedURI, options: dict[str, Any]) -> LocalStore:

@@ -73,6 +73,7 @@ def _save(root: Path) -> int:
 
 def _load_worker(rank: int, world_size: int, root: str, out: str, read_once: bool, mode: str) -> None:
     store = ByteCountingStore(open_store(f"file://{root}"))
+    store.cheap_reads = False  # as on an object store: the default (read_once=None) reads once
     target = _state(False)
     if rank != 0:
         del target["only_rank0"]  # rank 0 alone loads it: read by rank 0, never exchanged
@@ -242,3 +243,39 @@ def test_a_plan_changed_after_the_global_plan_makes_every_rank_read_its_own_item
     results = _run(tmp_path, "unmatched", root, read_once=True, mode="unmatched")
     assert all(r.get("equal") is True for r in results), results  # no hang, nothing lost
     assert all(r["data_bytes"] >= state_bytes for r in results), results  # no exchange: per rank
+
+
+def test_read_once_is_on_by_default_for_object_stores_and_off_where_reads_are_page_cache_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import objckpt.training.dcp.reader as reader_module
+
+    monkeypatch.setattr(reader_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(reader_module.dist, "get_world_size", lambda: 2)
+    local = open_store(f"file://{tmp_path}/run")
+    assert local.cheap_reads and CountingStore(local).cheap_reads  # wrappers say what they wrap
+    remote_like = CountingStore(local)
+    remote_like.cheap_reads = False
+    assert not ObjckptStorageReader(local)._whole_world(2)
+    assert ObjckptStorageReader(remote_like)._whole_world(2)
+    assert ObjckptStorageReader(local, read_once=True)._whole_world(2)
+    assert not ObjckptStorageReader(remote_like, read_once=False)._whole_world(2)
+    assert not ObjckptStorageReader(remote_like)._whole_world(1)  # one rank: nothing to share
+
+
+def test_small_items_travel_packed_and_large_ones_alone_by_owner() -> None:
+    from objckpt.training.dcp._read_once import PACK_BYTES, SMALL_ITEM, exchange_batches
+
+    small, large = 1024, SMALL_ITEM
+    owners = {MetadataIndex(f"s{i:04d}"): i % 2 for i in range(2000)}  # 2,000 small items
+    owners[MetadataIndex("big")] = 0
+    sizes = {i: (large if i.fqn == "big" else small) for i in owners}
+    batches = exchange_batches(owners, sizes)
+    # one broadcast per owner's small items and one for the large item: 3, not 2,001
+    assert len(batches) == 3
+    assert (0, [MetadataIndex("big")]) in batches
+    assert sorted(i.fqn for _, b in batches for i in b) == sorted(i.fqn for i in owners)  # each once
+    assert all(owners[i] == src for src, b in batches for i in b)  # a batch comes from one owner
+    many = {MetadataIndex(f"m{i:03d}"): 0 for i in range(100)}
+    packs = exchange_batches(many, dict.fromkeys(many, SMALL_ITEM - 1))
+    assert all(len(b) * (SMALL_ITEM - 1) <= PACK_BYTES for _, b in packs) and len(packs) > 1

@@ -51,7 +51,7 @@ from ._metadata import _ItemLocation, _ResolvedCheckpoint
 
 log = logging.getLogger("objckpt.training.dcp")
 
-__all__ = ["ReadOncePlan", "assign_owners", "index_order", "load_read_once"]
+__all__ = ["ReadOncePlan", "assign_owners", "exchange_batches", "index_order", "load_read_once"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,24 +188,88 @@ def load_read_once(
         read([item for index, item in by_index.items() if index in owner_of and owner_of[index] != comm.rank])
         return
     corrupt: list[str] = []
-    for index in sorted(owner_of, key=index_order):
-        item, src = by_index[index], owner_of[index]
-        if src != comm.rank:
-            _prepare(item, planner)
+
+    def arrived(item: LoadItem, src: int) -> None:
+        """A received item: CRC32C-checked, then handed on; its buffers dropped either way."""
         assert item.buffer is not None
-        comm.broadcast_into(item.buffer, f"DCP load: item {index.fqn}", src=src)
-        if src != comm.rank:
-            got = _crc.encode_crc32c(_crc.crc32c_of(item.buffer))
-            if got != item.loc.crc32c:
-                corrupt.append(f"{index.fqn} from rank {src}: CRC32C {got}, {item.loc.crc32c} expected")
-            else:
-                finish(item, item.buffer)
+        got = _crc.encode_crc32c(_crc.crc32c_of(item.buffer))
+        if got != item.loc.crc32c:
+            fqn = item.reqs[0].storage_index.fqn
+            corrupt.append(f"{fqn} from rank {src}: CRC32C {got}, {item.loc.crc32c} expected")
+        else:
+            finish(item, item.buffer)
         item.buffer = item.scratch = None
+
+    for src, batch in exchange_batches(owner_of, {i: by_index[i].loc.length for i in owner_of}):
+        items_of = [by_index[index] for index in batch]
+        if len(items_of) == 1:  # one item: straight into its destination, no copy
+            (item,) = items_of
+            if src != comm.rank:
+                _prepare(item, planner)
+            assert item.buffer is not None
+            comm.broadcast_into(item.buffer, f"DCP load: item {batch[0].fqn}", src=src)
+            if src == comm.rank:
+                item.buffer = item.scratch = None
+            else:
+                arrived(item, src)
+            continue
+        # small items: one broadcast of them packed together (copied in and out: they are small)
+        pack = bytearray(sum(item.loc.length for item in items_of))
+        offset = 0
+        for item in items_of:
+            n = item.loc.length
+            if src == comm.rank:
+                assert item.buffer is not None
+                pack[offset : offset + n] = item.buffer
+                item.buffer = item.scratch = None
+            offset += n
+        comm.broadcast_into(memoryview(pack), f"DCP load: {len(items_of)} small items", src=src)
+        if src != comm.rank:
+            offset = 0
+            for item in items_of:
+                n = item.loc.length
+                _prepare(item, planner)
+                assert item.buffer is not None
+                item.buffer[:] = pack[offset : offset + n]
+                offset += n
+                arrived(item, src)
     if corrupt:
         raise DistributedError(
             f"DCP load: rank {comm.rank} received item bytes that differ from the checkpoint "
             "(the process group corrupted them; the stored checkpoint is not at fault): " + "; ".join(corrupt)
         )
+
+
+#: items smaller than this are sent packed together, several per broadcast
+SMALL_ITEM = 1 << 20
+#: the most bytes one pack of small items holds
+PACK_BYTES = 8 << 20
+
+
+def exchange_batches(
+    owners: dict[MetadataIndex, int], sizes: dict[MetadataIndex, int]
+) -> list[tuple[int, list[MetadataIndex]]]:
+    """The broadcasts of the exchange, the same on every rank: ``(source rank, indices)``, by
+    owner, in :func:`index_order`; an item of :data:`SMALL_ITEM` bytes or more alone, smaller
+    ones packed together up to :data:`PACK_BYTES` (a model of thousands of small tensors is a
+    few broadcasts, not thousands: measured on 2 gloo ranks over file://, 2,000 items of 1 KiB
+    loaded in 1.65 s one broadcast each against 0.80 s read per rank)."""
+    out: list[tuple[int, list[MetadataIndex]]] = []
+    pack: list[MetadataIndex] = []
+    pack_src, pack_bytes = -1, 0
+    for index in sorted(owners, key=lambda i: (owners[i], index_order(i))):
+        src, n = owners[index], sizes[index]
+        if pack and (src != pack_src or pack_bytes + n > PACK_BYTES or n >= SMALL_ITEM):
+            out.append((pack_src, pack))
+            pack, pack_bytes = [], 0
+        if n >= SMALL_ITEM:
+            out.append((src, [index]))
+            continue
+        pack.append(index)
+        pack_src, pack_bytes = src, pack_bytes + n
+    if pack:
+        out.append((pack_src, pack))
+    return out
 
 
 def _decide(verdicts: list[dict[str, Any]]) -> bool:

@@ -75,12 +75,13 @@ class ObjckptStorageReader(StorageReader):
     Every rank resolves on its own; rank 0 checks in ``prepare_global_plan`` that all ranks
     resolved the same checkpoint (:class:`DistributedError` otherwise).
 
-    ``read_once`` (default True): when every rank of the default process group loads, the items
-    every rank requests (a replicated model or optimizer state) are read from the store by one
-    rank each and sent to the others over gloo, CRC32C-checked on receipt (invariant 16; see
-    :mod:`._read_once`); a load on a subgroup, or with ``read_once=False``, reads every item on
-    every rank that requests it. A damaged item then fails the load on every rank with the same
-    error.
+    ``read_once`` (default: on for object stores, off on file://, where a read is a page-cache
+    copy and measured faster than the exchange, ``Store.cheap_reads``): when every rank of the
+    default process group loads, the items every rank requests (a replicated model or optimizer
+    state) are read from the store by one rank each and sent to the others over gloo,
+    CRC32C-checked on receipt (invariant 16; see :mod:`._read_once`); a load on a subgroup, or
+    with ``read_once=False``, reads every item on every rank that requests it. A damaged item
+    then fails the load on every rank with the same error.
 
     Errors (inside ``dcp.load`` they reach you wrapped in DCP's ``CheckpointException``;
     :func:`load_sharded` unwraps them): :class:`NoCheckpointError` when nothing valid is
@@ -100,11 +101,12 @@ class ObjckptStorageReader(StorageReader):
         *,
         manifest: Manifest | None = None,
         store_options: Mapping[str, Any] | None = None,
-        read_once: bool = True,
+        read_once: bool | None = None,
     ) -> None:
         super().__init__()
         #: items every rank loads are read from the store by one rank and sent to the others
-        #: (:mod:`._read_once`); only when every rank of the default group takes part
+        #: (:mod:`._read_once`); only when every rank of the default group takes part. Default:
+        #: on object stores, not where reads are cheap copies (``Store.cheap_reads``: file://)
         self.read_once = read_once
         self.store, self._owns_store = open_root(uri_or_store, store_options)
         # what re-opens the store after unpickling (see __getstate__)
@@ -277,8 +279,9 @@ class ObjckptStorageReader(StorageReader):
     def _whole_world(self, ranks: int) -> bool:
         """Whether this load spans every rank of the default group (read-once needs a
         communicator every rank of the load creates; a subgroup's load reads per rank)."""
+        wanted = not self.store.cheap_reads if self.read_once is None else self.read_once
         return (
-            self.read_once
+            wanted
             and ranks > 1
             and dist.is_available()
             and dist.is_initialized()
