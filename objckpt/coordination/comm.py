@@ -75,7 +75,7 @@ class Comm(ABC):
         transports with a byte path (gloo tensors, threads) override it."""
         import base64
 
-        _check_src(self, src, what)
+        check_src(self, src, what)
         text = base64.b64encode(data).decode("ascii") if self.rank == src and data is not None else None
         if src != 0:
             gathered = self.gather(text, what)
@@ -94,7 +94,7 @@ class Comm(ABC):
         Raises:
             DistributedError: a rank did not take part in time, or sent another number of bytes.
         """
-        _check_src(self, src, what)
+        check_src(self, src, what)
         view = memoryview(buffer).cast("B")
         if not view.nbytes:
             return
@@ -242,7 +242,8 @@ def _raise_unfit(comm: Comm, data: Buffer | None, sizes: Sequence[int], what: st
         )
 
 
-def _check_src(comm: Comm, src: int, what: str) -> None:
+def check_src(comm: Comm, src: int, what: str) -> None:
+    """Raises ValueError, naming ``what``, unless ``src`` is a rank of ``comm``'s world."""
     if not isinstance(src, int) or not 0 <= src < comm.world_size:
         raise ValueError(f"{what}: source rank {src!r} outside world of size {comm.world_size}")
 
@@ -258,7 +259,7 @@ class LocalComm(Comm):
         return _wire(obj)
 
     def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
-        _check_src(self, src, what)
+        check_src(self, src, what)
         if data is None:
             raise DistributedError(f"{what}: rank 0 sent no bytes")
         return bytes(data)
@@ -435,7 +436,7 @@ class ThreadComm(Comm):
         return self._run(what, lambda: self.world._broadcast(self.rank, obj, what))
 
     def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
-        _check_src(self, src, what)
+        check_src(self, src, what)
         got = self._run(what, lambda: self.world._share(self.rank, src, data, what))
         if got is None:
             raise DistributedError(f"{what}: rank {src} sent no bytes")

@@ -45,7 +45,15 @@ from ..manifest import ShardReceipt
 from ..reader import Reader, read_window
 from .comm import Comm, agree, writable_buffer
 
-__all__ = ["SharedPlan", "assign", "check_received", "plan_shared", "read_shared"]
+__all__ = [
+    "SharedPlan",
+    "assign",
+    "check_received",
+    "plan_shared",
+    "raise_first_failure",
+    "read_shared",
+    "read_verdict",
+]
 
 
 def assign(receipts: Sequence[ShardReceipt], world_size: int) -> dict[str, int]:
@@ -102,8 +110,7 @@ def read_shared(
             contribution = _download(reader, mine, plan.sizes[comm.rank])
         except Exception as exc:  # noqa: BLE001 - classified by the one damage rule, agreed below
             error = exc
-    if error is not None:
-        verdict["damaged" if is_damage(error) else "fatal"] = encode_error(error)
+    verdict.update(read_verdict(error))
     agree(comm, verdict, _decide_reads, f"{what}: reading the shared shards")
     # this rank's own shards: views into the one buffer they were downloaded into
     read, _ = _split(memoryview(contribution), mine, check=False)
@@ -240,14 +247,28 @@ def _digest(receipts: Sequence[ShardReceipt]) -> str:
     return h.hexdigest()[:32]
 
 
-def _decide_reads(verdicts: list[dict[str, Any]]) -> bool:
-    """Rank 0: any non-damage error outranks damage (it must never turn into a fallback); the
-    first failing rank's error is raised on every rank; then every rank must have planned the
-    same shards (else the exchange that follows would not pair up: other sizes, other splits)."""
+def read_verdict(error: BaseException | None) -> dict[str, Any]:
+    """What a rank tells the others of its reads before an exchange: nothing when they went
+    well, else its error, classified by the one damage rule (:func:`raise_first_failure`)."""
+    if error is None:
+        return {}
+    return {"damaged" if is_damage(error) else "fatal": encode_error(error)}
+
+
+def raise_first_failure(verdicts: Sequence[Mapping[str, Any]]) -> None:
+    """Rank 0, on every rank's :func:`read_verdict`: any non-damage error outranks damage (it
+    must never turn into a fallback); the first failing rank's error is raised, prefixed with
+    that rank (``agree`` then raises it on every rank)."""
     for kind in ("fatal", "damaged"):
         for rank, v in enumerate(verdicts):
             if kind in v:
                 raise with_rank(decode_error(v[kind]), rank)
+
+
+def _decide_reads(verdicts: list[dict[str, Any]]) -> bool:
+    """Rank 0: :func:`raise_first_failure`; then every rank must have planned the same shards
+    (else the exchange that follows would not pair up: other sizes, other splits)."""
+    raise_first_failure(verdicts)
     differ = [rank for rank, v in enumerate(verdicts) if v.get("plan") != verdicts[0].get("plan")]
     if differ:
         raise DistributedError(

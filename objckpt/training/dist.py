@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._crc import Buffer
-from ..coordination.comm import Comm, LocalComm, exchange_rounds, writable_buffer
+from ..coordination.comm import Comm, LocalComm, check_src, exchange_rounds, writable_buffer
 from ..defaults import EXCHANGE_BROADCAST_MAX_WORLD, EXCHANGE_BUDGET, HANDSHAKE_TIMEOUT, TIMEOUT
 from ..errors import DistributedError
 
@@ -201,8 +201,7 @@ class DistComm(Comm):
     def broadcast_bytes(self, data: bytes | None, what: str, *, src: int = 0) -> bytes:
         """Rank ``src``'s ``data`` on every rank: its length, then one uint8 tensor broadcast
         over the data group (large payloads, e.g. a resolved manifest)."""
-        if not isinstance(src, int) or not 0 <= src < self.world_size:
-            raise ValueError(f"{what}: source rank {src!r} outside world of size {self.world_size}")
+        check_src(self, src, what)
         if self.rank == src and data is None:
             raise DistributedError(f"{what}: rank {src} has no bytes to send")
         return self._broadcast_raw((data or b"") if self.rank == src else b"", what, False, src)
@@ -211,19 +210,10 @@ class DistComm(Comm):
         """Rank ``src``'s ``buffer`` received straight into every other rank's (see
         :meth:`Comm.broadcast_into`): broadcasts of at most ``exchange_budget`` bytes over the
         data group, no copy on either side."""
-        if not isinstance(src, int) or not 0 <= src < self.world_size:
-            raise ValueError(f"{what}: source rank {src!r} outside world of size {self.world_size}")
+        check_src(self, src, what)
         view = memoryview(buffer).cast("B")
-        if not view.nbytes:
-            return
-        step = max(1, self.exchange_budget)
-
-        def go() -> None:
-            for start in range(0, view.nbytes, step):
-                tensor = torch.frombuffer(view[start : start + step], dtype=torch.uint8)
-                torch.distributed.broadcast(tensor, group=self._data, group_src=src)
-
-        self._run(what, False, go)
+        if view.nbytes:
+            self._run(what, False, lambda: self._broadcast_pieces(view, src))
 
     def _all_gather_bytes(self, mine: Buffer, sizes: list[int], what: str) -> Sequence[Buffer]:
         """Every rank's bytes on every rank (see :meth:`Comm.all_gather_bytes`) over the data
@@ -285,8 +275,6 @@ class DistComm(Comm):
     def _broadcast_each(self, mine: Buffer, sizes: list[int]) -> list[Buffer]:
         """The broadcast transport of :meth:`_all_gather_bytes`: each source's bytes in pieces of
         at most ``exchange_budget``, received straight into their final place."""
-        dist = torch.distributed
-        step = max(1, self.exchange_budget)
         out: list[Buffer] = []
         for src, n in enumerate(sizes):
             if src == self.rank:
@@ -295,15 +283,21 @@ class DistComm(Comm):
             else:
                 buffer = writable_buffer(n) if n else memoryview(b"")
                 out.append(buffer if n else b"")
-            for start in range(0, n, step):
-                piece = buffer[start : start + step]
-                # the source's piece is only read by the broadcast, so torch's warning about a
-                # read-only buffer (``mine`` may be bytes) does not apply
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)
-                    tensor = torch.frombuffer(piece, dtype=torch.uint8)
-                dist.broadcast(tensor, group=self._data, group_src=src)
+            self._broadcast_pieces(buffer, src)
         return out
+
+    def _broadcast_pieces(self, view: memoryview, src: int) -> None:
+        """``src``'s ``view`` into every other rank's, in broadcasts of at most
+        ``exchange_budget`` bytes over the data group (the caller runs it under :meth:`_run`)."""
+        step = max(1, self.exchange_budget)
+        for start in range(0, view.nbytes, step):
+            piece = view[start : start + step]
+            # the source's piece is only read by the broadcast, so torch's warning about a
+            # read-only buffer (``mine`` may be bytes) does not apply
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.frombuffer(piece, dtype=torch.uint8)
+            torch.distributed.broadcast(tensor, group=self._data, group_src=src)
 
     def close(self) -> None:
         """Destroy the gloo groups (owner only); idempotent, never raises."""

@@ -256,11 +256,11 @@ def test_read_once_is_on_by_default_for_object_stores_and_off_where_reads_are_pa
     assert local.cheap_reads and CountingStore(local).cheap_reads  # wrappers say what they wrap
     remote_like = CountingStore(local)
     remote_like.cheap_reads = False
-    assert not ObjckptStorageReader(local)._whole_world(2)
-    assert ObjckptStorageReader(remote_like)._whole_world(2)
-    assert ObjckptStorageReader(local, read_once=True)._whole_world(2)
-    assert not ObjckptStorageReader(remote_like, read_once=False)._whole_world(2)
-    assert not ObjckptStorageReader(remote_like)._whole_world(1)  # one rank: nothing to share
+    assert not ObjckptStorageReader(local)._reads_once(2)
+    assert ObjckptStorageReader(remote_like)._reads_once(2)
+    assert ObjckptStorageReader(local, read_once=True)._reads_once(2)
+    assert not ObjckptStorageReader(remote_like, read_once=False)._reads_once(2)
+    assert not ObjckptStorageReader(remote_like)._reads_once(1)  # one rank: nothing to share
 
 
 def test_small_items_travel_packed_and_large_ones_alone_by_owner() -> None:

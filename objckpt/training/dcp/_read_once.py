@@ -44,7 +44,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from ... import _crc
 from ...coordination.comm import Comm, agree
-from ...errors import DistributedError, decode_error, encode_error, is_damage, with_rank
+from ...coordination.exchange import raise_first_failure, read_verdict
+from ...errors import DistributedError
 from ...store import Store
 from ._load import LoadItem, _prepare, plan_reads, run_reads
 from ._metadata import _ItemLocation, _ResolvedCheckpoint
@@ -90,7 +91,7 @@ def assign_owners(
     ranks = len(plans)
     if ranks < 2:
         return {}
-    common = set(plan_indices(plans[0]))
+    common = {req.storage_index for req in plans[0].items}
     for plan in plans[1:]:
         common &= {req.storage_index for req in plan.items}
     shared = sorted(
@@ -151,7 +152,7 @@ def load_read_once(
     spec = plan.storage_data
     assert isinstance(spec, ReadOncePlan)
     by_index = {item.reqs[0].storage_index: item for item in items}
-    indices = sorted(by_index, key=index_order)
+    indices = plan_indices(plan)  # the order the coordinator listed this plan's owners in
     error: BaseException | None = None
     # A planner that changed the plans after the global plan (their items no longer match the
     # owners) makes this rank read every item itself; the ranks then agree to skip the exchange.
@@ -176,9 +177,9 @@ def load_read_once(
         read(own)
     except Exception as exc:  # noqa: BLE001 - classified by the one damage rule, agreed below
         error = exc
-    verdict: dict[str, Any] = {} if matched else {"unmatched": len(indices)}
-    if error is not None:
-        verdict["damaged" if is_damage(error) else "fatal"] = encode_error(error)
+    verdict = read_verdict(error)
+    if not matched:
+        verdict["unmatched"] = len(indices)
     if not agree(comm, verdict, _decide, "DCP load: reading the shared items"):
         log.warning(
             "DCP load: a rank's plan no longer matches the global plan; every rank reads its own items"
@@ -190,7 +191,7 @@ def load_read_once(
     corrupt: list[str] = []
 
     def arrived(item: LoadItem, src: int) -> None:
-        """A received item: CRC32C-checked, then handed on; its buffers dropped either way."""
+        """A received item: CRC32C-checked, then handed on."""
         assert item.buffer is not None
         got = _crc.encode_crc32c(_crc.crc32c_of(item.buffer))
         if got != item.loc.crc32c:
@@ -198,46 +199,47 @@ def load_read_once(
             corrupt.append(f"{fqn} from rank {src}: CRC32C {got}, {item.loc.crc32c} expected")
         else:
             finish(item, item.buffer)
-        item.buffer = item.scratch = None
 
     for src, batch in exchange_batches(owner_of, {i: by_index[i].loc.length for i in owner_of}):
         items_of = [by_index[index] for index in batch]
-        if len(items_of) == 1:  # one item: straight into its destination, no copy
-            (item,) = items_of
-            if src != comm.rank:
-                _prepare(item, planner)
-            assert item.buffer is not None
-            comm.broadcast_into(item.buffer, f"DCP load: item {batch[0].fqn}", src=src)
-            if src == comm.rank:
-                item.buffer = item.scratch = None
-            else:
-                arrived(item, src)
-            continue
-        # small items: one broadcast of them packed together (copied in and out: they are small)
-        pack = bytearray(sum(item.loc.length for item in items_of))
-        offset = 0
-        for item in items_of:
-            n = item.loc.length
-            if src == comm.rank:
-                assert item.buffer is not None
-                pack[offset : offset + n] = item.buffer
-                item.buffer = item.scratch = None
-            offset += n
-        comm.broadcast_into(memoryview(pack), f"DCP load: {len(items_of)} small items", src=src)
-        if src != comm.rank:
-            offset = 0
+        receiving = src != comm.rank
+        if receiving:
             for item in items_of:
-                n = item.loc.length
                 _prepare(item, planner)
-                assert item.buffer is not None
-                item.buffer[:] = pack[offset : offset + n]
-                offset += n
+        if len(items_of) == 1:  # one item: straight into its destination, no copy
+            buffer = items_of[0].buffer
+        else:  # small items: one broadcast of them packed together (copied in and out)
+            pack = bytearray(sum(item.loc.length for item in items_of))
+            if not receiving:
+                _copy_between(items_of, pack, into_pack=True)
+            buffer = memoryview(pack)
+        assert buffer is not None
+        what = f"DCP load: item {batch[0].fqn}" if len(batch) == 1 else f"DCP load: {len(batch)} small items"
+        comm.broadcast_into(buffer, what, src=src)
+        if receiving and len(items_of) > 1:
+            _copy_between(items_of, buffer, into_pack=False)
+        for item in items_of:
+            if receiving:
                 arrived(item, src)
+            item.buffer = item.scratch = None
     if corrupt:
         raise DistributedError(
             f"DCP load: rank {comm.rank} received item bytes that differ from the checkpoint "
             "(the process group corrupted them; the stored checkpoint is not at fault): " + "; ".join(corrupt)
         )
+
+
+def _copy_between(items: list[LoadItem], pack: Any, *, into_pack: bool) -> None:
+    """Copy each item's bytes into its place in ``pack`` (laid out in order), or back out."""
+    offset = 0
+    for item in items:
+        n = item.loc.length
+        assert item.buffer is not None
+        if into_pack:
+            pack[offset : offset + n] = item.buffer
+        else:
+            item.buffer[:] = pack[offset : offset + n]
+        offset += n
 
 
 #: items smaller than this are sent packed together, several per broadcast
@@ -273,11 +275,8 @@ def exchange_batches(
 
 
 def _decide(verdicts: list[dict[str, Any]]) -> bool:
-    """Rank 0: a non-damage error outranks damage (it must never turn into a fallback); the
-    first failing rank's error is raised on every rank. Else whether to exchange: not when a
-    rank's plan no longer matched its owners (it read everything itself)."""
-    for kind in ("fatal", "damaged"):
-        for rank, verdict in enumerate(verdicts):
-            if kind in verdict:
-                raise with_rank(decode_error(verdict[kind]), rank)
+    """Rank 0: the first failing rank's error, by the one damage rule (raised on every rank);
+    else whether to exchange: not when a rank's plan no longer matched its owners (it read
+    everything itself)."""
+    raise_first_failure(verdicts)
     return not any("unmatched" in verdict for verdict in verdicts)

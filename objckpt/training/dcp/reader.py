@@ -271,14 +271,16 @@ class ObjckptStorageReader(StorageReader):
                 f"ranks resolved different checkpoints (rank 0: step {mine.step} attempt "
                 f"{mine.attempt}; {detail}); retry the load or pass an explicit step"
             )
-        if not self._whole_world(len(plans)):
+        if not self._reads_once(len(plans)):
             return plans
         owners = assign_owners(plans, self._locations)
         return with_owners(plans, owners, mine) if owners else plans
 
-    def _whole_world(self, ranks: int) -> bool:
-        """Whether this load spans every rank of the default group (read-once needs a
-        communicator every rank of the load creates; a subgroup's load reads per rank)."""
+    def _reads_once(self, ranks: int) -> bool:
+        """Whether this load of ``ranks`` ranks reads shared items once: wanted (``read_once``,
+        by default where reads are not cheap copies) and spanning every rank of the default
+        group (read-once needs a communicator every rank of the load creates; a subgroup's load
+        reads per rank)."""
         wanted = not self.store.cheap_reads if self.read_once is None else self.read_once
         return (
             wanted
