@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     holds = (
         report.growth <= BOUND
         and report.fds_end == report.fds_start
-        and report.threads_end == report.threads_start
+        and report.new_threads == 0
     )
     print(report.summary(), "-- holds" if holds else "-- DOES NOT HOLD", flush=True)
     if args.json:

@@ -29,8 +29,9 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def native_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def native_threads() -> set[str]:
+    """The ids of this process's native threads."""
+    return set(os.listdir("/proc/self/task"))
 
 
 @dataclass
@@ -47,6 +48,9 @@ class LeakReport:
     threads_end: int
     seconds: float
     samples: list[int] = field(default_factory=list)  # RSS after every `every`-th save
+    #: threads alive at the end that were not at the start (the leak; threads_end may also be
+    #: lower than threads_start, when threads of earlier work exit meanwhile)
+    new_threads: int = 0
 
     @property
     def growth(self) -> int:
@@ -64,7 +68,7 @@ class LeakReport:
             f"{self.saves} save_async calls of a fixed {self.state_bytes / MiB:.1f} MiB state (after "
             f"{self.warmup} warm-up saves): RSS {self.rss_start / MiB:.1f} -> {self.rss_end / MiB:.1f} MiB "
             f"(growth {self.growth / MiB:+.2f} MiB, peak {self.max_growth / MiB:+.2f} MiB), open fds "
-            f"{self.fds_start} -> {self.fds_end}, threads {self.threads_start} -> {self.threads_end}, "
+            f"{self.fds_start} -> {self.fds_end}, threads {self.threads_start} -> {self.threads_end} ({self.new_threads} new), "
             f"{self.seconds:.0f} s"
         )
 
@@ -116,5 +120,17 @@ def measure(root: str, *, saves: int, warmup: int = 10, mib: int = 4, every: int
     finally:
         mgr.close()
     return LeakReport(
-        saves, warmup, nbytes, rss0, rss1, max(peak, rss1), fds0, fds1, threads0, threads1, seconds, samples
+        saves,
+        warmup,
+        nbytes,
+        rss0,
+        rss1,
+        max(peak, rss1),
+        fds0,
+        fds1,
+        len(threads0),
+        len(threads1),
+        seconds,
+        samples,
+        new_threads=len(threads1 - threads0),
     )
