@@ -41,11 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("objckpt").propagate = False
     with tempfile.TemporaryDirectory(prefix="objckpt-leak-") as tmp:
         report = measure(f"{tmp}/run", saves=args.saves, warmup=args.warmup, mib=args.mib)
-    holds = (
-        report.growth <= BOUND
-        and report.fds_end == report.fds_start
-        and report.new_threads == 0
-    )
+    holds = report.growth <= BOUND and report.fds_end == report.fds_start and report.new_threads == 0
     print(report.summary(), "-- holds" if holds else "-- DOES NOT HOLD", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))
@@ -61,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 "",
                 f"* date: {when}; {platform.system()} {platform.release()}, Python {platform.python_version()}",
                 f"* {report.summary()}",
-                f"* bound: RSS growth <= 10 MiB, open descriptors and threads unchanged: "
+                f"* bound: RSS growth <= 10 MiB, open descriptors unchanged, no new thread left: "
                 f"**{'holds' if holds else 'DOES NOT HOLD'}**",
                 "* for scale: PyTorch's asynchronous DCP kept about one checkpoint alive per save; at this "
                 f"state that would be ~{report.state_bytes * report.saves / MiB:,.0f} MiB over the run. "
