@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Union
 
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..._crc import crc32c_b64, encode_crc32c
+from ..._pool import run_all
 from ...coordination.comm import LocalComm
 from ...coordination.roots import open_root
 from ...coordination.save import SaveSession
@@ -316,15 +317,13 @@ class ObjckptStorageWriter(StorageWriter):
             cheap_multipart=self.store.cheap_multipart,
         )
         shards, self._spread = shard_plan.shards, shard_plan.spread
-        if len(shards) == 1:
-            written = [write_shard(0, shards[0])]
-        else:
-            # several shards at once (see split_into_shards): one request each up to
-            # single_request_max
-            with ThreadPoolExecutor(
-                min(len(shards), self._spread), thread_name_prefix="objckpt-dcp-shard"
-            ) as pool:
-                written = list(pool.map(write_shard, range(len(shards)), shards))
+        # several shards at once (see split_into_shards): one request each up to
+        # single_request_max; a failed one stops those not started (the save has failed)
+        written = run_all(
+            [partial(write_shard, k, shard) for k, shard in enumerate(shards)],
+            self._spread,
+            "objckpt-dcp-shard",
+        )
         for name, receipt, locations in written:
             for item, loc in locations:
                 loc = dataclasses.replace(loc, receipt=None if loc.origin is not None else receipt)
