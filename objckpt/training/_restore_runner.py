@@ -49,7 +49,7 @@ class RestoreRunner:
         reader: Reader,
         errors: SaveErrorPolicy,
         *,
-        replicated_read: str,
+        replicated_read: str | None,
         config_hash: str | None,
     ) -> None:
         self.restores = restores
@@ -78,15 +78,16 @@ class RestoreRunner:
 
         def stage(manifest: Manifest) -> shards.Staged:
             # the session's reader: the primary's, or the mirror's when the checkpoint comes from it
+            reader = self.restores.reader
             return shards.stage(
-                self.restores.reader,
+                reader,
                 manifest,
                 state,
                 rank=self.rank,
                 world_size=self.world_size,
                 strict=strict,
                 comm=self.comm,
-                replicated_read=self.replicated_read,
+                replicated_read=self.replicated_read or shards.default_replicated_read(reader.store),
             )
 
         def apply(manifest: Manifest, staged: shards.Staged) -> None:

@@ -127,9 +127,11 @@ class CheckpointManager:
         compression: ``None`` (default), ``"zstd"`` (byte-plane split + zstd on float
             tensors) or ``"auto"`` (only for tensor classes where it shortens the save at the
             measured upload bandwidth), see :mod:`.codec`.
-        replicated_read: ``"once"`` (default): on restore each replicated shard is downloaded
-            by one rank and shared over the process group (~1/W of the replicated state per
-            rank); ``"every"``: every rank downloads all of it (docs/DESIGN.md, "Scale").
+        replicated_read: ``"once"``: on restore each replicated shard is downloaded by one rank
+            and shared over the process group (~1/W of the replicated state per rank);
+            ``"every"``: every rank downloads all of it (docs/DESIGN.md, "Scale"). Default
+            ``None``: ``"once"`` on object stores, ``"every"`` on file://, where a read is a
+            page-cache copy and per-rank reads measured faster (``shards.default_replicated_read``).
         key_spreading: shard keys carry a spreading prefix (``data/<hh>/...``) so one save's
             requests fall on many key partitions (default); ``False``: the old layout.
         verify: who LISTs the store to check the receipts before a commit: ``"coordinator"``
@@ -167,7 +169,7 @@ class CheckpointManager:
         check: bool | str = True,
         dedup: bool = True,
         compression: str | None = None,
-        replicated_read: str = shards.READ_ONCE,
+        replicated_read: str | None = None,
         key_spreading: bool = True,
         verify: str = "auto",
         **store_options: Any,
@@ -189,7 +191,7 @@ class CheckpointManager:
         self._staging = StagingArea(max_staging_bytes)  # validates the budget before any collective
         self.async_policy = async_policy
         self.dedup = bool(dedup)
-        if replicated_read not in shards.REPLICATED_READS:
+        if replicated_read is not None and replicated_read not in shards.REPLICATED_READS:
             raise ValueError(
                 f"replicated_read must be one of {shards.REPLICATED_READS}, got {replicated_read!r}"
             )
