@@ -43,6 +43,7 @@ from .._pool import run_all
 from ..errors import DistributedError, decode_error, encode_error, is_damage, with_rank
 from ..manifest import ShardReceipt
 from ..reader import Reader, read_window
+from ..store import Store
 from .comm import Comm, agree, writable_buffer
 
 __all__ = [
@@ -53,7 +54,19 @@ __all__ = [
     "raise_first_failure",
     "read_shared",
     "read_verdict",
+    "reads_once_by_default",
 ]
+
+
+def reads_once_by_default(store: Store) -> bool:
+    """Whether a restore from ``store`` reads what every rank loads once per job and shares it
+    (:func:`read_shared`, the DCP reader's read-once), unless told otherwise: the one rule of
+    ``CheckpointManager(replicated_read=)`` and ``ObjckptStorageReader(read_once=)``. Yes on
+    object stores, where every rank's reads are requests to a server (invariant 16); no where a
+    read is a page-cache copy (``Store.cheap_reads``, file://), measured faster read per rank:
+    2 gloo ranks, DCP, 200 items of 1 MiB, 0.15-0.29 s against 0.38-0.51 s read once;
+    CheckpointManager restoring 256 MiB, 0.37 s [0.36-0.40] against 0.54 s [0.50-0.56]."""
+    return not store.cheap_reads
 
 
 def assign(receipts: Sequence[ShardReceipt], world_size: int) -> dict[str, int]:

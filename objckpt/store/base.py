@@ -107,10 +107,10 @@ class Store(_StoreWrites, _StoreReads, ABC):
     #: upload is a create, its parts and a completion that makes the server assemble the object.
     cheap_multipart: bool = False
     #: reading an object costs about a memory copy (file://: the page cache), less than sending
-    #: its bytes over the process group, and no request rate limits it, so the DCP reader reads
-    #: what every rank loads on every rank instead of once per job (measured on file://, 2 gloo
-    #: ranks, 200 items of 1 MiB: 0.15-0.29 s read per rank against 0.38-0.51 s read once and
-    #: exchanged). ``False`` for object stores, where each rank's reads are requests to a server.
+    #: its bytes over the process group, and no request rate limits it, so restores read what
+    #: every rank loads on every rank instead of once per job (the one rule, with measurements:
+    #: ``coordination.exchange.reads_once_by_default``). ``False`` for object stores, where each
+    #: rank's reads are requests to a server.
     cheap_reads: bool = False
 
     def __init__(

@@ -84,7 +84,7 @@ class _Wrapper(Store):
         self.inner = inner
         self.min_part_size = inner.min_part_size  # the server's limit holds through the wrapper
         self.cheap_multipart = inner.cheap_multipart  # how the writers spread (writer.spread_for)
-        self.cheap_reads = inner.cheap_reads  # whether the DCP reader reads once (dcp/_read_once)
+        self.cheap_reads = inner.cheap_reads  # whether restores read once (exchange.reads_once_by_default)
         self._close_inner = close_inner
         self.scheme = inner.scheme  # type: ignore[misc]
 

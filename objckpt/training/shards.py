@@ -48,7 +48,7 @@ import torch
 from .. import layout
 from .._crc import Buffer
 from ..coordination.comm import Comm
-from ..coordination.exchange import read_shared
+from ..coordination.exchange import read_shared, reads_once_by_default
 from ..errors import ManifestError, SerializationError, TrainingStateError
 from ..manifest import Manifest, Reference, ShardReceipt
 from ..reader import Reader
@@ -109,12 +109,10 @@ REPLICATED_READS = (READ_ONCE, READ_EVERY)
 
 
 def default_replicated_read(store: Store) -> str:
-    """``replicated_read`` when the manager is not told: once per job on object stores, where
-    each read is requests to a server (invariant 16); by every rank where reads are cheap copies
-    (``Store.cheap_reads``, file://), the rule of the DCP reader's read-once. On file:// per-rank
-    reads measured faster: 2 gloo ranks restoring 256 MiB, 0.37 s [0.36-0.40] against 0.54 s
-    [0.50-0.56] read once and exchanged (5 runs each, interleaved)."""
-    return READ_EVERY if store.cheap_reads else READ_ONCE
+    """``replicated_read`` when the manager is not told: the DCP reader's rule,
+    :func:`~objckpt.coordination.exchange.reads_once_by_default` (once on object stores, by
+    every rank on file://)."""
+    return READ_ONCE if reads_once_by_default(store) else READ_EVERY
 
 
 @dataclass

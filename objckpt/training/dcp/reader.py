@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ...coordination.exchange import reads_once_by_default
 from ...coordination.roots import open_root
 from ...errors import (
     ConfigError,
@@ -281,7 +282,7 @@ class ObjckptStorageReader(StorageReader):
         by default where reads are not cheap copies) and spanning every rank of the default
         group (read-once needs a communicator every rank of the load creates; a subgroup's load
         reads per rank)."""
-        wanted = not self.store.cheap_reads if self.read_once is None else self.read_once
+        wanted = reads_once_by_default(self.store) if self.read_once is None else self.read_once
         return (
             wanted
             and ranks > 1
