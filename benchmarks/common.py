@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,62 @@ def fresh_memory_probe(mib: int = PROBE_MIB) -> str:
         return f"{float(out.stdout.strip()):.2f} s per {mib} MiB"
     except (subprocess.SubprocessError, ValueError, OSError) as exc:
         return f"? ({type(exc).__name__})"
+
+
+def os_counters(pids: Sequence[int] = ()) -> dict[str, float]:
+    """Counters read around a timed case (see :func:`counter_delta`), to tell a slow run's cause:
+    the VM's steal time (the host ran something else on our CPUs), the memory the guest reported
+    back to the host (``page_reporting``'s ``reported_kib``: pages the next first touch pays a
+    host fault for, see :func:`fresh_memory_probe`), system-wide page faults, and the page faults
+    and CPU seconds of ``pids`` (the S3 server's processes) and this process's page faults.
+    Linux only; missing ones are left out."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out: dict[str, float] = {"self_minflt": usage.ru_minflt, "self_sys_s": usage.ru_stime}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        hz = os.sysconf("SC_CLK_TCK")
+        out["steal_s"] = int(cpu[8]) / hz
+        out["iowait_s"] = int(cpu[5]) / hz
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            name, value = line.split()
+            if name in ("pgfault", "pgmajfault", "nr_dirty", "pgpgout"):
+                out[name] = int(value)
+    with contextlib.suppress(OSError, ValueError):
+        reported = Path("/sys/module/page_reporting/parameters/reported_kib").read_text()
+        out["reported_mib"] = int(reported) / 1024
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # fields after the ")" that ends the command name: minflt is the 10th field of the
+            # line, utime and stime the 14th and 15th
+            rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            hz = os.sysconf("SC_CLK_TCK")
+            out["server_minflt"] = out.get("server_minflt", 0) + int(rest[7])
+            out["server_user_s"] = out.get("server_user_s", 0) + int(rest[11]) / hz
+            out["server_sys_s"] = out.get("server_sys_s", 0) + int(rest[12]) / hz
+    return out
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """``after - before`` for the counters both have (rounded for the JSON)."""
+    return {k: round(after[k] - before[k], 3) for k in before if k in after}
+
+
+def server_pids(port: int) -> list[int]:
+    """The process listening on ``port`` on this machine and its children (the S3 server's), or
+    [] when it cannot be found (another machine's endpoint, no permission)."""
+    try:
+        import psutil
+
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                proc = psutil.Process(conn.pid)
+                return [proc.pid, *(c.pid for c in proc.children(recursive=True))]
+    except Exception:  # noqa: BLE001 - a diagnostic only: without it the counters omit the server
+        return []
+    return []
 
 
 def _page_reporting() -> str:

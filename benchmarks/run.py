@@ -221,6 +221,14 @@ def _cpus(t: dict[str, Any], case: str, op: str) -> list[float]:
     return [c for _, c in t.get(case, {}).get(op, [])]
 
 
+def _server_sys(w: dict[str, Any], case: str, op: str = "save") -> str:
+    """The S3 server's system CPU seconds over ``case``'s timed runs (``s3_bench`` records
+    them), median [min-max], or "n/a" where the server's process was not found."""
+    runs = (w.get("counters") or {}).get(case, {}).get(op, [])
+    values = [r["server_sys_s"] for r in runs if "server_sys_s" in r]
+    return Series(values).fmt(2).rsplit(" n=", 1)[0] if values else "n/a"
+
+
 def _met(ratio: Series, goal: float) -> str:
     if not ratio.values:
         return "n/a"
@@ -340,12 +348,13 @@ def render(results: dict[str, Any]) -> str:
         block = w.get("async_blocking", [])
         add(
             "| server | managers | sync save s | save_async blocking s | save_async total s | "
-            "total / sync | blocking / sync |"
+            "total / sync | blocking / sync | server system CPU s, sync / async |"
         )
-        add("|---|---|---|---|---|---|---|")
+        add("|---|---|---|---|---|---|---|---|")
         add(
             f"| {label} | a new one per save (cold) | {Series(sync).fmt(2)} | {Series(block).fmt(3)} | "
-            f"{Series(total).fmt(2)} | {paired_ratios(total, sync).fmt(2, 'x')} | {paired_ratios(block, sync).fmt(3)} |"
+            f"{Series(total).fmt(2)} | {paired_ratios(total, sync).fmt(2, 'x')} | {paired_ratios(block, sync).fmt(3)} | "
+            f"{_server_sys(w, 'objckpt')} / {_server_sys(w, 'objckpt_async')} |"
         )
         s_sync = _walls(w["times"], "objckpt_steady", "save")
         s_total = _walls(w["times"], "objckpt_async_steady", "save")
@@ -354,13 +363,18 @@ def render(results: dict[str, Any]) -> str:
             add(
                 f"| {label} | one for the run (steady) | {Series(s_sync).fmt(2)} | {Series(s_block).fmt(3)} | "
                 f"{Series(s_total).fmt(2)} | {paired_ratios(s_total, s_sync).fmt(2, 'x')} | "
-                f"{paired_ratios(s_block, s_sync).fmt(3)} |"
+                f"{paired_ratios(s_block, s_sync).fmt(3)} | "
+                f"{_server_sys(w, 'objckpt_steady')} / {_server_sys(w, 'objckpt_async_steady')} |"
             )
         add("")
         add(
             "Cold: the first `save_async` of a manager allocates and first-touches its staging buffer "
             "inside the timed save; steady: one manager for the run, its staging reused, the first "
-            "save an untimed warm-up (`s3_bench` docstring)."
+            "save an untimed warm-up (`s3_bench` docstring). Server system CPU: the S3 server's "
+            "kernel time during each timed save (it runs on this machine and writes every object into "
+            "page-cache pages; `s3_bench` docstring). It is ~1.3 s for a 512 MiB save when the pages it "
+            "gets are backed by the host; a run where it is several seconds more is that much slower, "
+            "whichever case it was."
         )
     else:
         why = ""

@@ -54,6 +54,20 @@ load, then deleted: a save late in a run met a LocalStack holding the run's othe
 (at 8 cases and 3 runs ``objckpt`` saved 1st, 8th and 7th, ``s3tc`` 4th, 3rd and 2nd). Results
 go to a JSON file written by rank 0.
 
+With each timed run rank 0 records :func:`benchmarks.common.os_counters` deltas (``counters`` in
+the JSON): steal time, page faults, memory the guest reported to its host, and the S3 server's
+user and system CPU. They tell a slow run's cause. Measured 2026-12-06 on LocalStack, 512 MiB:
+the server spools every object over 512 KiB to a temporary file, so it writes each uploaded byte
+into page-cache pages (parts, then the assembled object), and on a VM that returns freed memory
+to its host (``fresh_memory_probe``), pages freed a few seconds before cost a host fault to touch
+again: writing 512 MiB to a file took 0.17 s right after a delete, 2.3-2.6 s after 3 s, 5.7 s
+after 8 s. The server's system CPU for a 512 MiB save was 1.2-1.4 s in most runs and 3-8 s in
+the slow ones, whose extra wall time it matches; the client's CPU did not change. A cold
+``save_async`` first-touches 512 MiB of staging on the client, taking the recently freed pages
+the server would otherwise get, so on this machine (not against a remote S3) it meets the slow
+mode more often than the sync save beside it. An untimed settling save before every case, tried
+the same day, made it more frequent (cold async 1.34x against 1.05x without), and was not kept.
+
     python -m benchmarks.s3_bench --endpoint http://127.0.0.1:4566 --world-size 2 --mib 64
 """
 
@@ -76,9 +90,12 @@ from benchmarks.common import (
     BUCKET,
     REPO,
     MiB,
+    counter_delta,
     delete_prefix,
     fingerprint,
     make_model,
+    os_counters,
+    server_pids,
     state_bytes,
     write_json,
     zero,
@@ -222,6 +239,11 @@ class Bench:
         self.fp = fingerprint(self.model)
         self.client = boto_client(cfg["endpoint"], pool=max(self.width, 10))
         self.errors: dict[str, str] = {}
+        #: per case and op, one :func:`os_counters` delta a timed run (steal time, page faults,
+        #: memory reported to the host, the server's CPU): what a slow run met
+        self.counters: dict[str, dict[str, list[dict[str, float]]]] = {}
+        port = cfg["endpoint"].rsplit(":", 1)[1].strip("/")
+        self.server_pids = server_pids(int(port)) if self.rank == 0 and port.isdigit() else []
         #: seconds until save_async returned (the part a training loop waits for)
         self.async_blocking: list[float] = []
         self.async_steady_blocking: list[float] = []
@@ -450,7 +472,11 @@ class Bench:
                 zero(self.model)
             self.untimed_check = None
             res, fn = getattr(self, f"{case}_{op}")(run)
+            before = os_counters(self.server_pids)
             t = self.world.timed(fn)
+            self.counters.setdefault(case, {}).setdefault(op, []).append(
+                counter_delta(before, os_counters(self.server_pids))
+            )
             if self.untimed_check is not None:
                 self.untimed_check()
             if op == "load" and case != "raw":
@@ -533,6 +559,7 @@ def worker(cfg_path: str, rank: int) -> None:
                 "times": times,
                 "async_blocking": bench.async_blocking,
                 "async_steady_blocking": bench.async_steady_blocking,
+                "counters": bench.counters,
                 "errors": bench.errors,
             },
         )

@@ -70,6 +70,22 @@ def test_every_s3_case_ran_every_run_without_error(sample):
         assert len(s3["worlds"]["1"]["times"][case]["save"]) == RUNS, case
 
 
+def test_every_timed_s3_run_records_what_the_machine_and_the_server_did(sample):
+    """The counters that tell a slow run's cause (steal time, page faults, the server's CPU):
+    one set per timed run, the server's included (the sample's moto runs on this machine)."""
+    results, _ = sample
+    (s3,) = results["s3"]
+    for ws, world in s3["worlds"].items():
+        for case, ops in world["times"].items():
+            for op, runs in ops.items():
+                counters = world["counters"].get(case, {}).get(op, [])
+                assert len(counters) == len(runs), (ws, case, op)
+                for one in counters:
+                    assert one["self_minflt"] >= 0 and one["server_sys_s"] >= 0, (ws, case, op, one)
+                    if sys.platform == "linux":
+                        assert "steal_s" in one and "pgfault" in one, one
+
+
 def test_the_other_legs_measured_and_the_gpu_leg_says_why_it_skipped(sample):
     results, report = sample
     for leg in ("file", "async", "resolve"):
