@@ -124,3 +124,6 @@ def test_the_report_replaces_only_its_own_section_and_records_the_host(sample):
     for row in ("fresh memory probe at start", "fresh memory probe at end"):
         line = next(line for line in report.splitlines() if line.startswith(f"| {row} |"))
         assert line.endswith("s per 1024 MiB |"), line
+    for row in ("page-cache probe at start", "page-cache probe at end"):
+        line = next(line for line in report.splitlines() if line.startswith(f"| {row} |"))
+        assert line.endswith("s per 512 MiB |"), line
