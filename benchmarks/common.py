@@ -182,7 +182,8 @@ def os_counters(pids: Sequence[int] = ()) -> dict[str, float]:
     the VM's steal time (the host ran something else on our CPUs), the memory the guest reported
     back to the host (``page_reporting``'s ``reported_kib``: pages the next first touch pays a
     host fault for, see :func:`fresh_memory_probe`), system-wide page faults, and the page faults
-    and CPU seconds of ``pids`` (the S3 server's processes) and this process's page faults.
+    and CPU seconds and the bytes written and read of ``pids`` (the S3 server's processes), and
+    this process's page faults.
     Linux only; missing ones are left out."""
     import resource
 
@@ -210,6 +211,11 @@ def os_counters(pids: Sequence[int] = ()) -> dict[str, float]:
             out["server_minflt"] = out.get("server_minflt", 0) + int(rest[7])
             out["server_user_s"] = out.get("server_user_s", 0) + int(rest[11]) / hz
             out["server_sys_s"] = out.get("server_sys_s", 0) + int(rest[12]) / hz
+        with contextlib.suppress(OSError, ValueError):
+            # bytes the server passed to write() and read() (files and sockets alike)
+            io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+            out["server_write_mib"] = out.get("server_write_mib", 0) + int(io["wchar"]) / MiB
+            out["server_read_mib"] = out.get("server_read_mib", 0) + int(io["rchar"]) / MiB
     return out
 
 

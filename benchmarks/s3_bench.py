@@ -56,7 +56,11 @@ go to a JSON file written by rank 0.
 
 With each timed run rank 0 records :func:`benchmarks.common.os_counters` deltas (``counters`` in
 the JSON): steal time, page faults, memory the guest reported to its host, and the S3 server's
-user and system CPU. They tell a slow run's cause. Measured 2026-12-06 on LocalStack, 512 MiB:
+user and system CPU and the bytes it passed to ``write()``/``read()``. They tell a slow run's
+cause, and what a case costs the server: on LocalStack a multipart upload's completion copies
+its parts into a new file, so a peer's multipart save made the server write 1,024 MiB and read
+1,024 MiB per 512 MiB where objckpt's single-request shards made it write 512 MiB and read none
+(BENCHMARKS.md, run K's findings). Measured 2026-12-06 on LocalStack, 512 MiB:
 the server spools every object over 512 KiB to a temporary file, so it writes each uploaded byte
 into page-cache pages (parts, then the assembled object), and on a VM that returns freed memory
 to its host (``fresh_memory_probe``), pages freed a few seconds before cost a host fault to touch

@@ -82,6 +82,7 @@ def test_every_timed_s3_run_records_what_the_machine_and_the_server_did(sample):
                 assert len(counters) == len(runs), (ws, case, op)
                 for one in counters:
                     assert one["self_minflt"] >= 0 and one["server_sys_s"] >= 0, (ws, case, op, one)
+                    assert one["server_write_mib"] >= 0 and one["server_read_mib"] >= 0, one
                     if sys.platform == "linux":
                         assert "steal_s" in one and "pgfault" in one, one
 
