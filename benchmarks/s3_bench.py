@@ -22,6 +22,10 @@ alternating order), time:
                 and ``s3tc``, only the storage layer differs (the head-to-head leg)
 ==============  ============================================================================
 
+``objckpt_multipart`` (not in :data:`CASES`, for ``--cases``): the manager's save and restore with
+ONE multipart upload per rank, the peers' storage pattern, instead of the default single-request
+shards; on LocalStack the server then assembles the parts at completion, as for the peers.
+
 Asynchronous saves, 1 rank (``benchmarks.run`` adds these cases to the 1-rank world only):
 
 ========================  ======================================================================
