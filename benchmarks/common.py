@@ -131,13 +131,16 @@ def page_cache_probe(mib: int = 512) -> str:
     freed memory to its host, its cost follows how much of it the host took back
     (``s3_bench`` docstring). Measured 2026-12-06: 0.17 s per 512 MiB right after a delete,
     2.3-2.6 s after 3 s, 5.7 s after 8 s."""
+    time.sleep(5)  # what a run's first case meets: nothing freed in the last seconds
+    return _probe(_PAGE_CACHE_PROBE, mib, timeout=300)
+
+
+def _probe(script: str, mib: int, *, timeout: float) -> str:
+    """Run a probe ``script`` (formatted with ``mib``; it prints seconds) in a child process:
+    "<seconds> s per <mib> MiB", or "? (<error>)" when it failed."""
     try:
-        time.sleep(5)  # what a run's first case meets: nothing freed in the last seconds
         out = subprocess.run(
-            [sys.executable, "-c", _PAGE_CACHE_PROBE.format(mib=mib)],
-            capture_output=True,
-            text=True,
-            timeout=300,
+            [sys.executable, "-c", script.format(mib=mib)], capture_output=True, text=True, timeout=timeout
         )
         return f"{float(out.stdout.strip()):.2f} s per {mib} MiB"
     except (subprocess.SubprocessError, ValueError, OSError) as exc:
@@ -168,13 +171,7 @@ def fresh_memory_probe(mib: int = PROBE_MIB) -> str:
     allocates fresh memory (a receive buffer, a staging buffer, a joined ``bytes``) pays that
     or not depending on which pages the kernel hands out, so a run whose probe is slow says
     its times are not comparable with a quiet run's."""
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", _PROBE.format(mib=mib)], capture_output=True, text=True, timeout=120
-        )
-        return f"{float(out.stdout.strip()):.2f} s per {mib} MiB"
-    except (subprocess.SubprocessError, ValueError, OSError) as exc:
-        return f"? ({type(exc).__name__})"
+    return _probe(_PROBE, mib, timeout=120)
 
 
 def os_counters(pids: Sequence[int] = ()) -> dict[str, float]:
@@ -189,9 +186,9 @@ def os_counters(pids: Sequence[int] = ()) -> dict[str, float]:
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out: dict[str, float] = {"self_minflt": usage.ru_minflt, "self_sys_s": usage.ru_stime}
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     with contextlib.suppress(OSError, ValueError, IndexError):
         cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        hz = os.sysconf("SC_CLK_TCK")
         out["steal_s"] = int(cpu[8]) / hz
         out["iowait_s"] = int(cpu[5]) / hz
     with contextlib.suppress(OSError, ValueError):
@@ -207,7 +204,6 @@ def os_counters(pids: Sequence[int] = ()) -> dict[str, float]:
             # fields after the ")" that ends the command name: minflt is the 10th field of the
             # line, utime and stime the 14th and 15th
             rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            hz = os.sysconf("SC_CLK_TCK")
             out["server_minflt"] = out.get("server_minflt", 0) + int(rest[7])
             out["server_user_s"] = out.get("server_user_s", 0) + int(rest[11]) / hz
             out["server_sys_s"] = out.get("server_sys_s", 0) + int(rest[12]) / hz

@@ -225,8 +225,8 @@ def _server_sys(w: dict[str, Any], case: str, op: str = "save") -> str:
     """The S3 server's system CPU seconds over ``case``'s timed runs (``s3_bench`` records
     them), median [min-max], or "n/a" where the server's process was not found."""
     runs = (w.get("counters") or {}).get(case, {}).get(op, [])
-    values = [r["server_sys_s"] for r in runs if "server_sys_s" in r]
-    return Series(values).fmt(2).rsplit(" n=", 1)[0] if values else "n/a"
+    values = Series([r["server_sys_s"] for r in runs if "server_sys_s" in r])
+    return f"{values.median:.2f} [{values.lo:.2f}-{values.hi:.2f}]" if values.values else "n/a"
 
 
 def _met(ratio: Series, goal: float) -> str:

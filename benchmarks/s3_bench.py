@@ -288,45 +288,41 @@ class Bench:
             max_in_flight=str(self.width),
         )
 
-    def objckpt_save(self, run: int) -> Any:
+    def _manager_save(self, run: int, case: str, *, multipart: bool = False) -> Any:
         from objckpt.training.manager import CheckpointManager
 
-        mgr = CheckpointManager(self._store(run), keep_last=None)
+        store = self._store(run, case)
+        if multipart:
+            store.cheap_multipart = True  # one multipart upload per rank (writer.spread_for)
+        mgr = CheckpointManager(store, keep_last=None)
         return mgr, (lambda: mgr.save(run + 1, {"model": self.model}))
+
+    def _manager_load(self, run: int, case: str) -> Any:
+        from objckpt.training.manager import CheckpointManager
+
+        mgr = CheckpointManager(self._store(run, case), keep_last=None)
+
+        def go() -> None:
+            step = mgr.restore({"model": self.model})
+            assert step == run + 1, step
+
+        return mgr, go
+
+    def objckpt_save(self, run: int) -> Any:
+        return self._manager_save(run, "objckpt")
+
+    def objckpt_load(self, run: int) -> Any:
+        return self._manager_load(run, "objckpt")
 
     def objckpt_multipart_save(self, run: int) -> Any:
         """The manager's save with the peers' storage pattern: ONE multipart upload per rank
         (``cheap_multipart`` forced on, as file:// has it), so LocalStack assembles the parts at
         completion as it does for the peers, instead of the default single-request shards
         (``writer.spread_for``). Not in :data:`CASES`: a check of the save ratios' caveat."""
-        from objckpt.training.manager import CheckpointManager
-
-        store = self._store(run, "objckpt_multipart")
-        store.cheap_multipart = True
-        mgr = CheckpointManager(store, keep_last=None)
-        return mgr, (lambda: mgr.save(run + 1, {"model": self.model}))
+        return self._manager_save(run, "objckpt_multipart", multipart=True)
 
     def objckpt_multipart_load(self, run: int) -> Any:
-        from objckpt.training.manager import CheckpointManager
-
-        mgr = CheckpointManager(self._store(run, "objckpt_multipart"), keep_last=None)
-
-        def go() -> None:
-            step = mgr.restore({"model": self.model})
-            assert step == run + 1, step
-
-        return mgr, go
-
-    def objckpt_load(self, run: int) -> Any:
-        from objckpt.training.manager import CheckpointManager
-
-        mgr = CheckpointManager(self._store(run), keep_last=None)
-
-        def go() -> None:
-            step = mgr.restore({"model": self.model})
-            assert step == run + 1, step
-
-        return mgr, go
+        return self._manager_load(run, "objckpt_multipart")
 
     # -- raw boto3
     def raw_save(self, run: int) -> Any:
