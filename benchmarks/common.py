@@ -104,7 +104,12 @@ def host_state(when: str) -> dict[str, str]:
         f"load average at {when}": load,
         f"fresh memory probe at {when}": fresh_memory_probe(),
         f"page-cache probe at {when}": page_cache_probe(),
+        f"free memory never reported to the host at {when}": _mib(unreported_free_mib()),
     }
+
+
+def _mib(value: float | None) -> str:
+    return "? (no page reporting here)" if value is None else f"{value:.0f} MiB"
 
 
 _PAGE_CACHE_PROBE = """
@@ -130,7 +135,14 @@ def page_cache_probe(mib: int = 512) -> str:
     page-cache pages (LocalStack spools objects to temporary files), so on a VM that returns
     freed memory to its host, its cost follows how much of it the host took back
     (``s3_bench`` docstring). Measured 2026-12-06: 0.17 s per 512 MiB right after a delete,
-    2.3-2.6 s after 3 s, 5.7 s after 8 s."""
+    2.3-2.6 s after 3 s, 5.7 s after 8 s.
+
+    What it measures exactly: it writes 16 MiB at a time, which on kernel 6.18's ext4 gets
+    2 MiB page-cache folios, and those always come from blocks the host has taken back once
+    they were freed more than a few seconds before: it is the price of such pages. LocalStack
+    writes 64 KiB at a time, whose pages come first from the free memory never reported
+    (:func:`unreported_free_mib`, the machine table's next row), so the server pays that price
+    only once that pool runs out."""
     time.sleep(5)  # what a run's first case meets: nothing freed in the last seconds
     return _probe(_PAGE_CACHE_PROBE, mib, timeout=300)
 
@@ -178,7 +190,8 @@ def os_counters(pids: Sequence[int] = ()) -> dict[str, float]:
     """Counters read around a timed case (see :func:`counter_delta`), to tell a slow run's cause:
     the VM's steal time (the host ran something else on our CPUs), the memory the guest reported
     back to the host (``page_reporting``'s ``reported_kib``: pages the next first touch pays a
-    host fault for, see :func:`fresh_memory_probe`), system-wide page faults, and the page faults
+    host fault for, see :func:`fresh_memory_probe`), the free memory it never reported (a level:
+    :func:`unreported_free_mib`), system-wide page faults, and the page faults
     and CPU seconds and the bytes written and read of ``pids`` (the S3 server's processes), and
     this process's page faults.
     Linux only; missing ones are left out."""
@@ -199,6 +212,9 @@ def os_counters(pids: Sequence[int] = ()) -> dict[str, float]:
     with contextlib.suppress(OSError, ValueError):
         reported = Path("/sys/module/page_reporting/parameters/reported_kib").read_text()
         out["reported_mib"] = int(reported) / 1024
+    unreported = unreported_free_mib()
+    if unreported is not None:
+        out["unreported_free_mib"] = unreported
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
             # fields after the ")" that ends the command name: minflt is the 10th field of the
@@ -216,8 +232,11 @@ def os_counters(pids: Sequence[int] = ()) -> dict[str, float]:
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """``after - before`` for the counters both have (rounded for the JSON)."""
-    return {k: round(after[k] - before[k], 3) for k in before if k in after}
+    """``after - before`` for the counters both have (rounded for the JSON); for the
+    :data:`LEVEL_COUNTERS`, their value ``before`` (what the timed case started with)."""
+    return {
+        k: round(before[k] if k in LEVEL_COUNTERS else after[k] - before[k], 3) for k in before if k in after
+    }
 
 
 def server_pids(port: int) -> list[int]:
@@ -233,6 +252,36 @@ def server_pids(port: int) -> list[int]:
     except Exception:  # noqa: BLE001 - a diagnostic only: without it the counters omit the server
         return []
     return []
+
+
+def unreported_free_mib() -> float | None:
+    """Free memory the guest kernel has never reported to its host: the buddy allocator's free
+    blocks below ``page_reporting_order`` (``/proc/buddyinfo``), which page reporting skips.
+    None without page reporting or off Linux.
+
+    Why (measured 2026-12-06 on kernel 6.18, ``page_reporting_order=9``): the allocator serves
+    a small allocation (a 4 KiB page, LocalStack's 64 KiB page-cache writes) from the smallest
+    free block, so such allocations stay cheap while this pool lasts; once it is used up, they
+    split blocks the host has taken back and pay a host fault a page. A 2 MiB allocation (a
+    transparent huge page, a file write of >= 2 MiB, which gets 2 MiB page-cache folios) always
+    takes such a block: writing 512 MiB to a file in 2-16 MiB writes took 5.3-8.1 s after a 5 s
+    pause, in 64 KiB-1 MiB writes 0.14-0.32 s (:func:`page_cache_probe` writes 16 MiB at a
+    time). Freed memory coalesces into large blocks and is reported within seconds, so a run
+    that allocates and frees a lot shrinks this pool; only fragmentation refills it."""
+    try:
+        order = int(Path("/sys/module/page_reporting/parameters/page_reporting_order").read_text())
+        pages = 0
+        for line in Path("/proc/buddyinfo").read_text().splitlines():
+            counts = [int(n) for n in line.split()[4:]]  # "Node 0, zone Normal c0 c1 ..."
+            pages += sum(n << o for o, n in enumerate(counts[:order]))
+    except (OSError, ValueError):
+        return None
+    return pages * (os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096) / MiB
+
+
+#: counters that are a level, not a running total: :func:`counter_delta` keeps their value
+#: before the timed case
+LEVEL_COUNTERS = ("unreported_free_mib",)
 
 
 def _page_reporting() -> str:

@@ -221,12 +221,25 @@ def _cpus(t: dict[str, Any], case: str, op: str) -> list[float]:
     return [c for _, c in t.get(case, {}).get(op, [])]
 
 
-def _server_sys(w: dict[str, Any], case: str, op: str = "save") -> str:
-    """The S3 server's system CPU seconds over ``case``'s timed runs (``s3_bench`` records
-    them), median [min-max], or "n/a" where the server's process was not found."""
-    runs = (w.get("counters") or {}).get(case, {}).get(op, [])
-    values = Series([r["server_sys_s"] for r in runs if "server_sys_s" in r])
-    return f"{values.median:.2f} [{values.lo:.2f}-{values.hi:.2f}]" if values.values else "n/a"
+def _counter(w: dict[str, Any], case: str, key: str = "server_sys_s", digits: int = 2) -> str:
+    """A counter ``s3_bench`` records with every timed run of ``case``'s save (default: the S3
+    server's system CPU seconds), median [min-max], or "n/a" where it was not recorded (the
+    server's process not found, no page reporting)."""
+    runs = (w.get("counters") or {}).get(case, {}).get("save", [])
+    values = Series([r[key] for r in runs if key in r])
+    return (
+        f"{values.median:.{digits}f} [{values.lo:.{digits}f}-{values.hi:.{digits}f}]"
+        if values.values
+        else "n/a"
+    )
+
+
+def _pair(w: dict[str, Any], sync_case: str, async_case: str) -> str:
+    """The async table's counter columns for one sync / async pair."""
+    return " | ".join(
+        f"{_counter(w, sync_case, key, digits)} / {_counter(w, async_case, key, digits)}"
+        for key, digits in (("server_sys_s", 2), ("unreported_free_mib", 0))
+    )
 
 
 def _met(ratio: Series, goal: float) -> str:
@@ -348,13 +361,14 @@ def render(results: dict[str, Any]) -> str:
         block = w.get("async_blocking", [])
         add(
             "| server | managers | sync save s | save_async blocking s | save_async total s | "
-            "total / sync | blocking / sync | server system CPU s, sync / async |"
+            "total / sync | blocking / sync | server system CPU s, sync / async | "
+            "free MiB never reported at the start, sync / async |"
         )
-        add("|---|---|---|---|---|---|---|---|")
+        add("|---|---|---|---|---|---|---|---|---|")
         add(
             f"| {label} | a new one per save (cold) | {Series(sync).fmt(2)} | {Series(block).fmt(3)} | "
             f"{Series(total).fmt(2)} | {paired_ratios(total, sync).fmt(2, 'x')} | {paired_ratios(block, sync).fmt(3)} | "
-            f"{_server_sys(w, 'objckpt')} / {_server_sys(w, 'objckpt_async')} |"
+            f"{_pair(w, 'objckpt', 'objckpt_async')} |"
         )
         s_sync = _walls(w["times"], "objckpt_steady", "save")
         s_total = _walls(w["times"], "objckpt_async_steady", "save")
@@ -364,7 +378,7 @@ def render(results: dict[str, Any]) -> str:
                 f"| {label} | one for the run (steady) | {Series(s_sync).fmt(2)} | {Series(s_block).fmt(3)} | "
                 f"{Series(s_total).fmt(2)} | {paired_ratios(s_total, s_sync).fmt(2, 'x')} | "
                 f"{paired_ratios(s_block, s_sync).fmt(3)} | "
-                f"{_server_sys(w, 'objckpt_steady')} / {_server_sys(w, 'objckpt_async_steady')} |"
+                f"{_pair(w, 'objckpt_steady', 'objckpt_async_steady')} |"
             )
         add("")
         add(
@@ -374,7 +388,9 @@ def render(results: dict[str, Any]) -> str:
             "kernel time during each timed save (it runs on this machine and writes every object into "
             "page-cache pages; `s3_bench` docstring). It is ~1.3 s for a 512 MiB save when the pages it "
             "gets are backed by the host; a run where it is several seconds more is that much slower, "
-            "whichever case it was."
+            "whichever case it was. Free MiB never reported: the free memory the host still backs "
+            "when the save starts (`common.unreported_free_mib`); the server's page-cache writes "
+            "take it first, and pay a host fault a page once it runs out."
         )
     else:
         why = ""

@@ -59,8 +59,9 @@ load, then deleted: a save late in a run met a LocalStack holding the run's othe
 go to a JSON file written by rank 0.
 
 With each timed run rank 0 records :func:`benchmarks.common.os_counters` deltas (``counters`` in
-the JSON): steal time, page faults, memory the guest reported to its host, and the S3 server's
-user and system CPU and the bytes it passed to ``write()``/``read()``. They tell a slow run's
+the JSON): steal time, page faults, memory the guest reported to its host, the free memory it
+never reported when the run started (``unreported_free_mib``), and the S3 server's user and
+system CPU and the bytes it passed to ``write()``/``read()``. They tell a slow run's
 cause, and what a case costs the server: on LocalStack a multipart upload's completion copies
 its parts into a new file, so a peer's multipart save made the server write 1,024 MiB and read
 1,024 MiB per 512 MiB where objckpt's single-request shards made it write 512 MiB and read none
@@ -69,7 +70,8 @@ the server spools every object over 512 KiB to a temporary file, so it writes ea
 into page-cache pages (parts, then the assembled object), and on a VM that returns freed memory
 to its host (``fresh_memory_probe``), pages freed a few seconds before cost a host fault to touch
 again: writing 512 MiB to a file took 0.17 s right after a delete, 2.3-2.6 s after 3 s, 5.7 s
-after 8 s. The server's system CPU for a 512 MiB save was 1.2-1.4 s in most runs and 3-8 s in
+after 8 s (in 16 MiB writes; see :func:`benchmarks.common.unreported_free_mib` for why
+LocalStack's 64 KiB writes pay it only once the never-reported free memory runs out). The server's system CPU for a 512 MiB save was 1.2-1.4 s in most runs and 3-8 s in
 the slow ones, whose extra wall time it matches; the client's CPU did not change. A cold
 ``save_async`` first-touches 512 MiB of staging on the client, taking the recently freed pages
 the server would otherwise get, so on this machine (not against a remote S3) it meets the slow

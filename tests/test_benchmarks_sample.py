@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = 3
+#: whether this kernel reports free pages to a host (then the counters have the unreported pool)
+PAGE_REPORTING = Path("/sys/module/page_reporting/parameters/page_reporting_order").exists()
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,8 @@ def test_every_timed_s3_run_records_what_the_machine_and_the_server_did(sample):
                     assert one["server_write_mib"] >= 0 and one["server_read_mib"] >= 0, one
                     if sys.platform == "linux":
                         assert "steal_s" in one and "pgfault" in one, one
+                    if PAGE_REPORTING:  # a level: the value at the run's start
+                        assert one["unreported_free_mib"] > 0, one
 
 
 def test_the_other_legs_measured_and_the_gpu_leg_says_why_it_skipped(sample):
@@ -128,3 +132,7 @@ def test_the_report_replaces_only_its_own_section_and_records_the_host(sample):
     for row in ("page-cache probe at start", "page-cache probe at end"):
         line = next(line for line in report.splitlines() if line.startswith(f"| {row} |"))
         assert line.endswith("s per 512 MiB |"), line
+    for when in ("start", "end"):
+        row = f"free memory never reported to the host at {when}"
+        line = next(line for line in report.splitlines() if line.startswith(f"| {row} |"))
+        assert line.endswith(" MiB |" if PAGE_REPORTING else "(no page reporting here) |"), line
