@@ -52,6 +52,7 @@ from benchmarks.common import (  # noqa: E402
     paired_ratios,
     start_server,
 )
+from benchmarks.scoreboard import ASYNC_WORLDS, async_world  # noqa: E402
 
 GOALS = {"raw": 0.9, "dcp_s3fs": 1.5, "s3tc": 1.0, "dcp_fs": 1.0}
 BASELINE_NAMES = {
@@ -96,7 +97,7 @@ def log(msg: str) -> None:
 def s3_legs(kind: str, mode: dict[str, Any], out_dir: Path, endpoint: str | None) -> dict[str, Any]:
     from benchmarks.s3_bench import CASES, default_cfg, run_world
 
-    res: dict[str, Any] = {"server": kind, "worlds": {}}
+    res: dict[str, Any] = {"server": kind, "worlds": {}, "async_worlds": {}}
     with start_server(kind, endpoint) as srv:
         res["server_label"] = srv.label
         res["startup_s"] = srv.startup_s
@@ -105,10 +106,11 @@ def s3_legs(kind: str, mode: dict[str, Any], out_dir: Path, endpoint: str | None
             for k, v in srv.store_options.items()
             if k not in ("access_key_id", "secret_access_key", "endpoint_url")
         }
-        for ws in mode["worlds"]:
-            cases = list(CASES)
-            if ws == 1:  # cold (a manager per run) and steady state (one manager), see s3_bench
-                cases += ["objckpt_async", "objckpt_steady", "objckpt_async_steady"]
+        worlds: list[tuple[int | str, int, list[str]]] = [(ws, ws, list(CASES)) for ws in mode["worlds"]]
+        if 1 in mode["worlds"]:  # each async pair in a 1-rank world of its own (s3_bench docstring)
+            worlds.insert(1, (ASYNC_WORLDS[0], 1, ["objckpt", "objckpt_async"]))
+            worlds.insert(2, (ASYNC_WORLDS[1], 1, ["objckpt_steady", "objckpt_async_steady"]))
+        for name, ws, cases in worlds:
             cfg = default_cfg(
                 srv,
                 ws,
@@ -116,17 +118,18 @@ def s3_legs(kind: str, mode: dict[str, Any], out_dir: Path, endpoint: str | None
                 mode["tensors"],
                 mode["runs"],
                 cases,
-                str(out_dir / f"s3-{kind}-w{ws}.json"),
+                str(out_dir / f"s3-{kind}-w{name}.json"),
             )
-            log(f"S3 legs on {srv.label}, {ws} rank(s), {mode['mib']} MiB, {mode['runs']} runs")
+            log(
+                f"S3 legs on {srv.label}, {ws} rank(s), {', '.join(cases)}, {mode['mib']} MiB, {mode['runs']} runs"
+            )
             t = time.monotonic()
-            res["worlds"][ws] = run_world(cfg, timeout=mode.get("s3_timeout", 3000))
-            res["worlds"][ws]["config"] = {
-                k: v for k, v in cfg.items() if k not in ("store_options", "endpoint", "out")
-            }
+            world = run_world(cfg, timeout=mode.get("s3_timeout", 3000))
+            world["config"] = {k: v for k, v in cfg.items() if k not in ("store_options", "endpoint", "out")}
+            res["async_worlds" if isinstance(name, str) else "worlds"][name] = world
             log(
                 f"  done in {time.monotonic() - t:.0f}s; errors: "
-                f"{res['worlds'][ws].get('errors') or res['worlds'][ws].get('error', '')[:300] or 'none'}"
+                f"{world.get('errors') or world.get('error', '')[:300] or 'none'}"
             )
     return res
 
@@ -348,12 +351,8 @@ def render(results: dict[str, Any]) -> str:
     # -- 4: async
     add("### 4. Async save")
     add("")
-    asy = None
-    for s3 in results.get("s3", []):
-        w = s3.get("worlds", {}).get(1) or s3.get("worlds", {}).get("1")
-        if w and "times" in w:
-            asy = (s3["server_label"], w)
-            break
+    asy = async_world(results, ASYNC_WORLDS[0])
+    steady = async_world(results, ASYNC_WORLDS[1])
     if asy and _walls(asy[1]["times"], "objckpt_async", "save"):
         label, w = asy
         sync = _walls(w["times"], "objckpt", "save")
@@ -370,6 +369,7 @@ def render(results: dict[str, Any]) -> str:
             f"{Series(total).fmt(2)} | {paired_ratios(total, sync).fmt(2, 'x')} | {paired_ratios(block, sync).fmt(3)} | "
             f"{_pair(w, 'objckpt', 'objckpt_async')} |"
         )
+        w = steady[1] if steady else {"times": {}}
         s_sync = _walls(w["times"], "objckpt_steady", "save")
         s_total = _walls(w["times"], "objckpt_async_steady", "save")
         s_block = w.get("async_steady_blocking", [])
@@ -384,7 +384,7 @@ def render(results: dict[str, Any]) -> str:
         add(
             "Cold: the first `save_async` of a manager allocates and first-touches its staging buffer "
             "inside the timed save; steady: one manager for the run, its staging reused, the first "
-            "save an untimed warm-up (`s3_bench` docstring). Server system CPU: the S3 server's "
+            "save an untimed warm-up; each pair timed in a 1-rank world of its own (`s3_bench` docstring). Server system CPU: the S3 server's "
             "kernel time during each timed save (it runs on this machine and writes every object into "
             "page-cache pages; `s3_bench` docstring). It is ~1.3 s for a 512 MiB save when the pages it "
             "gets are backed by the host; a run where it is several seconds more is that much slower, "

@@ -26,7 +26,8 @@ alternating order), time:
 ONE multipart upload per rank, the peers' storage pattern, instead of the default single-request
 shards; on LocalStack the server then assembles the parts at completion, as for the peers.
 
-Asynchronous saves, 1 rank (``benchmarks.run`` adds these cases to the 1-rank world only):
+Asynchronous saves, 1 rank (``benchmarks.run`` times each pair in a 1-rank world of its own,
+see below):
 
 ========================  ======================================================================
 ``objckpt_async``         cold: a NEW ``CheckpointManager`` per run, timed from ``save_async``
@@ -34,18 +35,30 @@ Asynchronous saves, 1 rank (``benchmarks.run`` adds these cases to the 1-rank wo
                           first touched (page faults) inside the timed save, the worker thread
                           started. Compared with ``objckpt`` (a new manager per run as well,
                           which never stages). What a job's FIRST ``save_async`` costs.
-``objckpt_steady``        steady state, sync: ONE ``CheckpointManager.save`` manager for the
-                          whole world (``keep_last=1``), its first save an untimed warm-up;
-                          the saved model (a copy of the benchmark's) changes before every save
-                          (untimed), so every save has a parent to deduplicate against and
-                          finds nothing to reuse, as in a training job
-``objckpt_async_steady``  the same, with ``save_async``: the staging buffer was allocated by
-                          the warm-up save and is reused; timed from ``save_async`` to the
+``objckpt_steady``        steady state, sync: ``CheckpointManager.save`` on ONE manager for the
+                          whole world (``keep_last=1``), shared with ``objckpt_async_steady``,
+                          its first save an untimed ``save_async`` warm-up; the model's values
+                          change before every save (untimed), so every save has a parent to
+                          deduplicate against and finds nothing to reuse, as in a training job
+``objckpt_async_steady``  the same manager's ``save_async``: the staging buffer was allocated
+                          by the warm-up save and is reused; timed from ``save_async`` to the
                           commit. What every later save of a training job costs: a job
                           constructs its manager once and saves with it every ``every``
                           steps (the manager's docstring), so the scoreboard's steady row
                           pairs these two cases; its cold row pairs ``objckpt_async`` with ``objckpt``
 ========================  ======================================================================
+
+Why each pair has a world of its own (2026-12-06): the S3 server's page-cache writes are cheap
+while the free memory the guest never reported to its host lasts (``unreported_free_mib`` in
+the counters, :func:`benchmarks.common.unreported_free_mib`) and cost a host fault a page
+after it. In one world with the peers, the memory the other cases keep for the world's life
+(``raw``'s joined bytes, s3torchconnector's buffers, the steady managers' staging, a model
+copy) left 400-1,400 MiB of that pool when a save started, and the async saves, which need
+more of it (a cold one stages 512 MiB first), met the slow mode most: run N, cold 1.37x, the
+server's system CPU 1.4-6.8 s against 1.3-1.6 s. The cold pair alone, the same day: the pool
+1,900-2,300 MiB at every save, the server's system CPU 1.1-1.5 s in all ten. Until then the
+steady cases also had a manager each and saved a copy of the model, so the server held two
+parents and the client a second 512 MiB.
 
 A time is barrier-to-barrier on rank 0 (so the slowest rank counts). Each load is checked
 against the state's fingerprint (raw: byte count). In each run every case saves, loads and has
@@ -84,7 +97,6 @@ the same day, made it more frequent (cold async 1.34x against 1.05x without), an
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import subprocess
@@ -257,10 +269,9 @@ class Bench:
         #: seconds until save_async returned (the part a training loop waits for)
         self.async_blocking: list[float] = []
         self.async_steady_blocking: list[float] = []
-        #: the steady cases' managers (one per case for the world's life) and their next step
-        self.steady: dict[str, Any] = {}
-        self.steady_step: dict[str, int] = {}
-        self.steady_model: Any = None
+        #: the steady cases' one manager (for the world's life) and the step it saved last
+        self.steady: Any = None
+        self.steady_step = 0
         #: a check a case wants run after its timed part (set by the case, run by ``one``)
         self.untimed_check: Callable[[], None] | None = None
         # the tensors objckpt's manager gives this rank (equal sizes: round robin), as one blob
@@ -435,58 +446,54 @@ class Bench:
         return mgr, go
 
     # -- steady state: one manager for the world, as a training job keeps (see the docstring)
-    def _steady(self, case: str) -> tuple[Any, int]:
-        """The case's manager (created, with an untimed warm-up save, on first use) and the
-        step to save next; the saved model's values change first (untimed)."""
+    def _steady(self) -> Any:
+        """The steady cases' manager (created, with an untimed warm-up ``save_async``, on first
+        use); the model's values change first (untimed), and the fingerprint the loads check
+        with them."""
         import torch
 
         from objckpt.training.manager import CheckpointManager
 
-        if self.steady_model is None:
-            self.steady_model = copy.deepcopy(self.model)
-        mgr = self.steady.get(case)
-        if mgr is None:
-            mgr = self.steady[case] = CheckpointManager(self._store("steady", case), keep_last=1)
-            self.steady_step[case] = 1
-            self._steady_save(case, mgr)  # warm-up: staging buffer, worker thread, connections
+        if not hasattr(CheckpointManager, "save_async"):
+            raise NotImplementedError("CheckpointManager.save_async does not exist yet")
+        if self.steady is None:
+            self.steady = CheckpointManager(self._store("steady", "steady"), keep_last=1)
+            self._steady_save("objckpt_async_steady")  # warm-up: staging buffer, worker thread, connections
         with torch.no_grad():  # new values: the parent holds nothing this save can reuse
-            for p in self.steady_model.parameters():
+            for p in self.model.parameters():
                 p.add_(1)
-        self.steady_step[case] += 1
-        return mgr, self.steady_step[case]
+        self.fp = fingerprint(self.model)
+        return self.steady
 
-    def _steady_save(self, case: str, mgr: Any) -> None:
-        step, state = self.steady_step[case], {"model": self.steady_model}
+    def _steady_save(self, case: str) -> None:
+        self.steady_step += 1
+        step, state = self.steady_step, {"model": self.model}
         if case == "objckpt_async_steady":
             t = time.perf_counter()
-            handle = mgr.save_async(step, state)
+            handle = self.steady.save_async(step, state)
             blocked = time.perf_counter() - t
-            _await(handle, mgr)
+            _await(handle, self.steady)
             if step > 1:
                 self.async_steady_blocking.append(blocked)
         else:
-            mgr.save(step, state)
-        assert mgr.latest_step() == step
+            self.steady.save(step, state)
+        assert self.steady.latest_step() == step
 
     def objckpt_steady_save(self, run: int) -> Any:
-        mgr, _ = self._steady("objckpt_steady")
-        return None, (lambda: self._steady_save("objckpt_steady", mgr))
+        self._steady()
+        return None, (lambda: self._steady_save("objckpt_steady"))
 
     def objckpt_async_steady_save(self, run: int) -> Any:
-        from objckpt.training.manager import CheckpointManager
-
-        if not hasattr(CheckpointManager, "save_async"):
-            raise NotImplementedError("CheckpointManager.save_async does not exist yet")
-        mgr, _ = self._steady("objckpt_async_steady")
-        return None, (lambda: self._steady_save("objckpt_async_steady", mgr))
+        self._steady()
+        return None, (lambda: self._steady_save("objckpt_async_steady"))
 
     def close(self) -> None:
-        """Close the steady managers and delete what they wrote (untimed)."""
-        for case, mgr in self.steady.items():
-            mgr.close()
+        """Close the steady manager and delete what it wrote (untimed)."""
+        if self.steady is not None:
+            self.steady.close()
             if self.rank == 0:
-                delete_prefix(self.client, BUCKET, self.prefix(case, "steady") + "/")
-        self.steady.clear()
+                delete_prefix(self.client, BUCKET, self.prefix("steady", "steady") + "/")
+        self.steady = None
 
     # -- driver
     def one(self, case: str, op: str, run: int) -> tuple[float, float] | None:

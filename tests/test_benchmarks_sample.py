@@ -68,8 +68,16 @@ def test_every_s3_case_ran_every_run_without_error(sample):
         for case in ("objckpt", "raw", "dcp_s3fs", "s3tc", "dcp_objckpt"):
             for op in ("save", "load"):
                 assert len(world["times"][case][op]) == RUNS, (ws, case, op)
-    for case in ("objckpt_async", "objckpt_steady", "objckpt_async_steady"):
-        assert len(s3["worlds"]["1"]["times"][case]["save"]) == RUNS, case
+    # each async pair in a 1-rank world of its own (s3_bench docstring), none in the peers' worlds
+    pairs = {"1-cold": ("objckpt", "objckpt_async"), "1-steady": ("objckpt_steady", "objckpt_async_steady")}
+    assert set(s3["async_worlds"]) == set(pairs)
+    for name, cases in pairs.items():
+        world = s3["async_worlds"][name]
+        assert world.get("errors") == {} and world["config"]["world_size"] == 1, (name, world.get("errors"))
+        assert set(world["times"]) == set(cases), name
+        for case in cases:
+            assert len(world["times"][case]["save"]) == RUNS, (name, case)
+    assert not {"objckpt_async", "objckpt_steady", "objckpt_async_steady"} & set(s3["worlds"]["1"]["times"])
 
 
 def test_every_timed_s3_run_records_what_the_machine_and_the_server_did(sample):
@@ -77,7 +85,7 @@ def test_every_timed_s3_run_records_what_the_machine_and_the_server_did(sample):
     one set per timed run, the server's included (the sample's moto runs on this machine)."""
     results, _ = sample
     (s3,) = results["s3"]
-    for ws, world in s3["worlds"].items():
+    for ws, world in [*s3["worlds"].items(), *s3["async_worlds"].items()]:
         for case, ops in world["times"].items():
             for op, runs in ops.items():
                 counters = world["counters"].get(case, {}).get(op, [])
