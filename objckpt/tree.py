@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["is_namedtuple", "leaves", "map_tree"]
+__all__ = ["SCALARS", "is_namedtuple", "leaves", "map_tree"]
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -34,6 +34,12 @@ def is_namedtuple(obj: Any) -> bool:
 def _metadata(obj: Any) -> dict[str, Any] | None:
     meta = getattr(obj, "_metadata", None)
     return meta if isinstance(meta, dict) else None
+
+
+#: leaf types walked without a recursive call per element (a Python RNG state is a tuple of
+#: 625 ints: its elements cost a call and a generator each otherwise, most of a small
+#: ``save_async``'s fixed time); exact types only, so a subclass still takes the general path
+SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def map_tree(obj: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -56,9 +62,9 @@ def map_tree(obj: Any, leaf: Callable[[Any], Any]) -> Any:
             out._metadata = map_tree(meta, leaf)  # type: ignore[attr-defined]
         return out
     if isinstance(obj, list):
-        return [map_tree(v, leaf) for v in obj]
+        return [leaf(v) if type(v) in SCALARS else map_tree(v, leaf) for v in obj]
     if isinstance(obj, tuple):
-        values = [map_tree(v, leaf) for v in obj]
+        values = [leaf(v) if type(v) in SCALARS else map_tree(v, leaf) for v in obj]
         return type(obj)(*values) if is_namedtuple(obj) else tuple(values)
     return leaf(obj)
 
@@ -73,6 +79,9 @@ def leaves(obj: Any) -> Iterator[Any]:
             yield from leaves(meta)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from leaves(v)
+            if type(v) in SCALARS:
+                yield v
+            else:
+                yield from leaves(v)
     else:
         yield obj

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import SaveAbandonedError, StagingBudgetError
-from ..tree import leaves, map_tree
+from ..tree import SCALARS, leaves, map_tree
 
 try:  # numpy is optional, as in serialization
     import numpy as np
@@ -79,6 +79,8 @@ class StagingPlan:
 
     def _walk(self, tree: Any) -> None:
         for node in leaves(tree):
+            if type(node) in SCALARS:  # most leaves of a state (an RNG state's ints): skip them cheaply
+                continue
             if _is_array(node) and id(node) not in self.slots:
                 n = _nbytes(node)
                 self.slots[id(node)] = (node, self.nbytes, n)
@@ -215,6 +217,8 @@ def _rebuild(tree: Any, staged: dict[int, Any]) -> Any:
     (a bytearray becomes bytes)."""
 
     def leaf(node: Any) -> Any:
+        if type(node) in SCALARS:
+            return node
         if _is_array(node):
             return staged[id(node)]
         if isinstance(node, bytearray):
