@@ -106,10 +106,14 @@ def s3_legs(kind: str, mode: dict[str, Any], out_dir: Path, endpoint: str | None
             for k, v in srv.store_options.items()
             if k not in ("access_key_id", "secret_access_key", "endpoint_url")
         }
-        worlds: list[tuple[int | str, int, list[str]]] = [(ws, ws, list(CASES)) for ws in mode["worlds"]]
-        if 1 in mode["worlds"]:  # each async pair in a 1-rank world of its own (s3_bench docstring)
-            worlds.insert(1, (ASYNC_WORLDS[0], 1, ["objckpt", "objckpt_async"]))
-            worlds.insert(2, (ASYNC_WORLDS[1], 1, ["objckpt_steady", "objckpt_async_steady"]))
+        # (name, ranks, cases): the peers' world of each size, and after the 1-rank one each
+        # async pair in a 1-rank world of its own (s3_bench docstring)
+        worlds: list[tuple[int | str, int, list[str]]] = []
+        for ws in mode["worlds"]:
+            worlds.append((ws, ws, list(CASES)))
+            if ws == 1:
+                worlds.append((ASYNC_WORLDS[0], 1, ["objckpt", "objckpt_async"]))
+                worlds.append((ASYNC_WORLDS[1], 1, ["objckpt_steady", "objckpt_async_steady"]))
         for name, ws, cases in worlds:
             cfg = default_cfg(
                 srv,
