@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import mmap
 import os
 import platform
 import statistics
@@ -49,12 +50,12 @@ class Series:
     def hi(self) -> float:
         return max(self.values) if self.values else float("nan")
 
-    def fmt(self, digits: int = 2, unit: str = "") -> str:
+    def fmt(self, digits: int = 2, unit: str = "", *, count: bool = True) -> str:
+        """``median [min-max] n=N`` (without `` n=N`` when not ``count``), or "n/a"."""
         if not self.values:
             return "n/a"
-        return (
-            f"{self.median:.{digits}f}{unit} [{self.lo:.{digits}f}-{self.hi:.{digits}f}] n={len(self.values)}"
-        )
+        text = f"{self.median:.{digits}f}{unit} [{self.lo:.{digits}f}-{self.hi:.{digits}f}]"
+        return f"{text} n={len(self.values)}" if count else text
 
 
 def paired_ratios(base: list[float], ours: list[float]) -> Series:
@@ -276,7 +277,7 @@ def unreported_free_mib() -> float | None:
             pages += sum(n << o for o, n in enumerate(counts[:order]))
     except (OSError, ValueError):
         return None
-    return pages * (os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096) / MiB
+    return pages * mmap.PAGESIZE / MiB
 
 
 #: counters that are a level, not a running total: :func:`counter_delta` keeps their value

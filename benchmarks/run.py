@@ -233,12 +233,7 @@ def _counter(w: dict[str, Any], case: str, key: str = "server_sys_s", digits: in
     server's system CPU seconds), median [min-max], or "n/a" where it was not recorded (the
     server's process not found, no page reporting)."""
     runs = (w.get("counters") or {}).get(case, {}).get("save", [])
-    values = Series([r[key] for r in runs if key in r])
-    return (
-        f"{values.median:.{digits}f} [{values.lo:.{digits}f}-{values.hi:.{digits}f}]"
-        if values.values
-        else "n/a"
-    )
+    return Series([r[key] for r in runs if key in r]).fmt(digits, count=False)
 
 
 def _pair(w: dict[str, Any], sync_case: str, async_case: str) -> str:
@@ -373,16 +368,16 @@ def render(results: dict[str, Any]) -> str:
             f"{Series(total).fmt(2)} | {paired_ratios(total, sync).fmt(2, 'x')} | {paired_ratios(block, sync).fmt(3)} | "
             f"{_pair(w, 'objckpt', 'objckpt_async')} |"
         )
-        w = steady[1] if steady else {"times": {}}
-        s_sync = _walls(w["times"], "objckpt_steady", "save")
-        s_total = _walls(w["times"], "objckpt_async_steady", "save")
-        s_block = w.get("async_steady_blocking", [])
+        sw = steady[1] if steady else {"times": {}}
+        s_sync = _walls(sw["times"], "objckpt_steady", "save")
+        s_total = _walls(sw["times"], "objckpt_async_steady", "save")
+        s_block = sw.get("async_steady_blocking", [])
         if s_sync and s_total:
             add(
                 f"| {label} | one for the run (steady) | {Series(s_sync).fmt(2)} | {Series(s_block).fmt(3)} | "
                 f"{Series(s_total).fmt(2)} | {paired_ratios(s_total, s_sync).fmt(2, 'x')} | "
                 f"{paired_ratios(s_block, s_sync).fmt(3)} | "
-                f"{_pair(w, 'objckpt_steady', 'objckpt_async_steady')} |"
+                f"{_pair(sw, 'objckpt_steady', 'objckpt_async_steady')} |"
             )
         add("")
         add(
