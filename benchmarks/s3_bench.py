@@ -97,6 +97,7 @@ the same day, made it more frequent (cold async 1.34x against 1.05x without), an
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -269,9 +270,11 @@ class Bench:
         #: seconds until save_async returned (the part a training loop waits for)
         self.async_blocking: list[float] = []
         self.async_steady_blocking: list[float] = []
-        #: the steady cases' one manager (for the world's life) and the step it saved last
+        #: the steady cases' one manager (for the world's life), the step it saved last and the
+        #: model it saves (see _steady)
         self.steady: Any = None
         self.steady_step = 0
+        self.steady_model: Any = None
         #: a check a case wants run after its timed part (set by the case, run by ``one``)
         self.untimed_check: Callable[[], None] | None = None
         # the tensors objckpt's manager gives this rank (equal sizes: round robin), as one blob
@@ -446,28 +449,32 @@ class Bench:
         return mgr, go
 
     # -- steady state: one manager for the world, as a training job keeps (see the docstring)
-    def _steady(self) -> Any:
-        """The steady cases' manager (created, with an untimed warm-up ``save_async``, on first
-        use); the model's values change first (untimed), and the fingerprint the loads check
-        with them."""
+    def _steady(self, case: str) -> Any:
+        """``case``'s (a steady case) save on the steady cases' manager (created, with an
+        untimed warm-up ``save_async``, on first use); the saved model's values change first
+        (untimed). That model is the benchmark's own in a world of steady cases only (as
+        ``benchmarks.run`` has it), else a copy, so the other cases' loads still find what
+        they saved."""
         import torch
 
         from objckpt.training.manager import CheckpointManager
 
         if not hasattr(CheckpointManager, "save_async"):
             raise NotImplementedError("CheckpointManager.save_async does not exist yet")
+        if self.steady_model is None:
+            alone = set(self.cfg["cases"]) <= {"objckpt_steady", "objckpt_async_steady"}
+            self.steady_model = self.model if alone else copy.deepcopy(self.model)
         if self.steady is None:
             self.steady = CheckpointManager(self._store("steady", "steady"), keep_last=1)
             self._steady_save("objckpt_async_steady")  # warm-up: staging buffer, worker thread, connections
         with torch.no_grad():  # new values: the parent holds nothing this save can reuse
-            for p in self.model.parameters():
+            for p in self.steady_model.parameters():
                 p.add_(1)
-        self.fp = fingerprint(self.model)
-        return self.steady
+        return None, (lambda: self._steady_save(case))
 
     def _steady_save(self, case: str) -> None:
         self.steady_step += 1
-        step, state = self.steady_step, {"model": self.model}
+        step, state = self.steady_step, {"model": self.steady_model}
         if case == "objckpt_async_steady":
             t = time.perf_counter()
             handle = self.steady.save_async(step, state)
@@ -480,12 +487,10 @@ class Bench:
         assert self.steady.latest_step() == step
 
     def objckpt_steady_save(self, run: int) -> Any:
-        self._steady()
-        return None, (lambda: self._steady_save("objckpt_steady"))
+        return self._steady("objckpt_steady")
 
     def objckpt_async_steady_save(self, run: int) -> Any:
-        self._steady()
-        return None, (lambda: self._steady_save("objckpt_async_steady"))
+        return self._steady("objckpt_async_steady")
 
     def close(self) -> None:
         """Close the steady manager and delete what it wrote (untimed)."""
