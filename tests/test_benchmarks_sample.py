@@ -144,3 +144,19 @@ def test_the_report_replaces_only_its_own_section_and_records_the_host(sample):
         row = f"free memory never reported to the host at {when}"
         line = next(line for line in report.splitlines() if line.startswith(f"| {row} |"))
         assert line.endswith(" MiB |" if PAGE_REPORTING else "(no page reporting here) |"), line
+
+
+def test_steady_cases_beside_other_cases_leave_the_model_their_loads_check(tmp_path):
+    """``s3_bench --cases`` may put the steady cases in one world with cases that load and check
+    the model: the steady saves change a model of their own there, never the shared one."""
+    out = tmp_path / "mixed.json"
+    cmd = [sys.executable, "-m", "benchmarks.s3_bench", "--server", "moto", "--mib", "4", "--runs", "1"]
+    cmd += ["--cases", "objckpt,objckpt_steady", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["errors"] == {}, result["errors"]
+    assert (
+        len(result["times"]["objckpt"]["load"]) == 1 and len(result["times"]["objckpt_steady"]["save"]) == 1
+    )
